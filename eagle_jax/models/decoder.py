@@ -1,0 +1,150 @@
+"""The target model: one decoder for Llama 2/3/3.1/3.2, Qwen2 and Qwen3.
+
+A single forward serves prefill (a padded prompt bucket), single-token decode and the
+multi-token verify of speculative decoding: the caller passes tokens with their
+absolute positions, and the layers write keys/values into the static cache at those
+positions (see ``layers.py``). Padding tokens carry a position >= max_len so their
+cache writes are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.checkpoint import CheckpointReader, dotted, load_into, module_tensors, save_sharded
+from eagle_jax.config import ModelConfig, resolve_dtype
+from eagle_jax.models.layers import (
+    MLP,
+    Attention,
+    Embedding,
+    KVCache,
+    Linear,
+    RMSNorm,
+    rope_inv_freq,
+)
+
+Array = jax.Array
+
+
+class DecoderOutput(NamedTuple):
+    """logits: [B, R, V] f32 for the requested rows (R = T when no rows are given);
+    hidden: [B, T, H] final-norm hidden states (EAGLE-1 features);
+    aux_hidden: [B, T, len(aux_layers) * H] inputs of the requested layers (EAGLE-3);
+    cache: the updated KV cache."""
+
+    logits: Array | None
+    hidden: Array
+    aux_hidden: Array | None
+    cache: KVCache
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(
+            h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias,
+            qk_norm=cfg.qk_norm, norm_eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, cache: KVCache, layer: int, inv_freq, slots=None):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer, inv_freq,
+                                     slots)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+class Decoder(nnx.Module):
+    """Llama / Qwen decoder with an LM head.
+
+    Parameter names follow the checkpoint: ``embed_tokens``, ``layers[i]``, ``norm``
+    (under the checkpoint's ``model.`` prefix) and ``lm_head`` (absent when tied).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs))
+
+    @property
+    def lm_head_weight(self) -> Array:
+        """[V, H]: the output projection (the embedding when tied)."""
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
+
+    def logits(self, hidden: Array) -> Array:
+        """hidden: [..., H] -> logits [..., V] float32."""
+        w = self.lm_head_weight
+        return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w,
+                          preferred_element_type=jnp.float32)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        cfg = self.config
+        dtype = dtype or self.embed_tokens.weight.dtype
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    def __call__(self, tokens: Array, positions: Array, cache: KVCache, *,
+                 logit_rows: Array | None = None, aux_layers: Sequence[int] = (),
+                 compute_logits: bool = True, slots: Array | None = None) -> DecoderOutput:
+        """tokens, positions: [B, T] int32; logit_rows: [B, R] indices into T or None;
+        slots: [B] cache rows the batch rows use (None: the first B rows).
+
+        Positions >= the cache length mark padding: their KV writes are dropped.
+        """
+        cfg = self.config
+        if any(not 0 <= i < cfg.num_layers for i in aux_layers):
+            raise ValueError(f"aux_layers {tuple(aux_layers)} outside [0, {cfg.num_layers})")
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        x = self.embed_tokens(tokens)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                captured[i] = x
+            x, cache = layer(x, positions, cache, i, inv_freq, slots)
+        hidden = self.norm(x)
+        logits = None
+        if compute_logits:
+            rows = hidden if logit_rows is None else jnp.take_along_axis(
+                hidden, logit_rows[..., None], axis=1)
+            logits = self.logits(rows)
+        aux_hidden = (jnp.concatenate([captured[i] for i in aux_layers], axis=-1)
+                      if aux_layers else None)
+        return DecoderOutput(logits, hidden, aux_hidden, cache)
+
+
+def checkpoint_name(path: tuple) -> str:
+    """Parameter path -> Hugging Face tensor name (``model.`` prefix but for lm_head)."""
+    name = dotted(path)
+    return name if path[0] == "lm_head" else f"model.{name}"
+
+
+def load_decoder(model_dir: str, dtype="float32") -> Decoder:
+    """Builds the decoder described by ``model_dir/config.json`` from its safetensors.
+
+    Raises CheckpointError naming the file, tensor and expected shape on any mismatch.
+    """
+    cfg = ModelConfig.from_dir(model_dir)
+    dtype = resolve_dtype(dtype)
+    reader = CheckpointReader(model_dir)
+    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    load_into(model, reader, checkpoint_name, dtype)
+    return model
+
+
+def save_decoder(model: Decoder, model_dir: str, hf_config: dict, dtype=None) -> None:
+    """Writes config.json and safetensors shards that transformers loads."""
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    save_sharded(model_dir, module_tensors(model, checkpoint_name, dtype))

@@ -1,0 +1,1 @@
+"""Helpers for the test suite: tiny tokenizers and models written to temporary directories."""
