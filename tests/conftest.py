@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import jax
 import pytest
 
 # Tests compare float32 results against float64-accurate references.
 jax.config.update("jax_default_matmul_precision", "highest")
+# Engines of equal shapes in different tests compile the same programs: one persistent
+# cache for the whole session turns the repeats into cache hits.
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("EAGLE_JAX_TEST_CACHE") or tempfile.mkdtemp(prefix="jaxcache-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,7 @@ def write_tiny_target(out_dir: str, arch: str = "llama", *, seed: int = 0, init_
     config = config_cls(**kwargs)
     config.architectures = cfg_dict["architectures"]
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2:

@@ -1,0 +1,88 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+ALGORITHMS = ("EAGLE", "EAGLE3", "NONE")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine is built and compiled.
+
+    Attributes:
+      model: Hugging Face directory of the target model.
+      draft_model: directory of the EAGLE-1 / EAGLE-3 draft (required unless NONE).
+      speculative_algorithm: "EAGLE", "EAGLE3" or "NONE" (plain decoding).
+      num_steps: S, draft tokens proposed per step (chain drafting).
+      num_draft_tokens: S + 1 for chains (the verified window); None derives it.
+      draft_sample_method: "greedy" proposes the draft argmax (q one-hot in the accept
+        test); "probabilistic" samples sampled rows from the draft's q (greedy rows still
+        propose the argmax, 001).
+      max_model_len: prompt + generated tokens per request; None = the target's limit.
+      max_num_seqs: most requests decoded at once (the slot count is also capped by
+        the KV memory budget).
+      batch_buckets / prefill_buckets: compiled batch sizes and prompt chunk lengths.
+      kv_cache_memory: KV budget in bytes; kv_cache_memory_fraction: or this share of
+        the device memory (GPU only); with neither, slots = max_num_seqs.
+      dtype: parameter and activation dtype ("bfloat16" or "float32").
+      precompile: compile every bucket at start (with a progress bar).
+      compilation_cache_dir: JAX persistent compilation cache ("" disables it).
+    """
+
+    model: str
+    draft_model: str | None = None
+    speculative_algorithm: str = "EAGLE3"
+    num_steps: int = 5
+    num_draft_tokens: int | None = None
+    draft_sample_method: str = "greedy"
+    max_model_len: int | None = 2048
+    max_num_seqs: int = 64
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    dtype: str = "bfloat16"
+    seed: int = 0
+    precompile: bool = True
+    compilation_cache_dir: str = os.path.join(
+        os.path.expanduser("~"), ".cache", "eagle_jax", "jax_cache")
+    served_model_name: str | None = None
+
+    def __post_init__(self):
+        algo = self.speculative_algorithm.upper()
+        object.__setattr__(self, "speculative_algorithm", algo)
+        if algo not in ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {ALGORITHMS}, got {algo!r}")
+        if algo != "NONE" and not self.draft_model:
+            raise ValueError(f"speculative_algorithm {algo} needs a draft_model directory")
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.num_draft_tokens is None:
+            object.__setattr__(self, "num_draft_tokens", self.num_steps + 1)
+        elif self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(
+                f"chain drafting verifies num_steps + 1 tokens: num_draft_tokens must be "
+                f"{self.num_steps + 1} for num_steps {self.num_steps}, got {self.num_draft_tokens}")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
+                             f"got {self.draft_sample_method!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not self.batch_buckets or any(b < 1 for b in self.batch_buckets):
+            raise ValueError(f"batch_buckets must be positive, got {self.batch_buckets}")
+        if not self.prefill_buckets or any(b < 1 for b in self.prefill_buckets):
+            raise ValueError(f"prefill_buckets must be positive, got {self.prefill_buckets}")
+        object.__setattr__(self, "batch_buckets", tuple(sorted(set(self.batch_buckets))))
+        object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_algorithm != "NONE"

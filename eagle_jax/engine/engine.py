@@ -1,0 +1,529 @@
+"""The host-side engine: requests, slots, buckets, and the compiled step executables.
+
+The engine owns one ``DecodeState`` of ``num_slots`` rows on the device. Between steps,
+waiting requests join free slots (their sampling tensors written, their prompt
+prefilled), finished and aborted requests leave. A step runs the executable compiled
+for the smallest batch bucket that covers every occupied slot; the host then reads the
+committed tokens and counts once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import os
+import time
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from eagle_jax.config import ModelConfig, resolve_dtype
+from eagle_jax.engine import step as step_lib
+from eagle_jax.engine.config import EngineConfig
+from eagle_jax.engine.types import RequestOutput, SpecDecodeStats, TokenLogprob
+from eagle_jax.models.decoder import Decoder, load_decoder
+from eagle_jax.models.layers import KVCache
+from eagle_jax.sampling import TOP_K_ALL, SamplingParams
+
+logger = logging.getLogger("eagle_jax.engine")
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float
+    slot: int = -1
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    detok: object = None
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+
+
+def _enable_compilation_cache(path: str) -> None:
+    if not path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+class Engine:
+    """Continuous-batching EAGLE engine. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, config: EngineConfig, *, tokenizer=None,
+                 draft_probs_hook: Callable | None = None):
+        self.config = config
+        _enable_compilation_cache(config.compilation_cache_dir)
+        dtype = resolve_dtype(config.dtype)
+        self.dtype = dtype
+        self.target: Decoder = load_decoder(config.model, dtype)
+        self.model_config: ModelConfig = self.target.config
+        self.draft = None
+        if config.speculative:
+            from eagle_jax.models.draft_checkpoint import load_draft
+
+            self.draft = load_draft(config.draft_model, self.target, dtype)
+            if self.draft.kind != config.speculative_algorithm:
+                raise ValueError(
+                    f"{config.draft_model} is an {self.draft.kind} draft but "
+                    f"speculative_algorithm is {config.speculative_algorithm}")
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.vocab_size = (self.tokenizer.vocab_size if self.tokenizer is not None
+                           else self.model_config.vocab_size)
+        self.vocab_size = min(self.vocab_size, self.model_config.vocab_size)
+        self.model_name = config.served_model_name or os.path.basename(
+            os.path.normpath(config.model))
+        self.max_model_len = self._max_model_len()
+        self.num_steps = config.num_steps if config.speculative else 0
+        # Room past the context limit for the speculative writes of the last step.
+        self.cache_len = self.max_model_len + self.num_steps + 1
+        self.num_slots = self._num_slots()
+        # The largest bucket is the slot count, so every occupancy has a bucket.
+        self.batch_buckets = tuple(sorted(
+            {b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots}))
+        self.prefill_buckets = tuple(
+            b for b in config.prefill_buckets if b <= self.max_model_len) or (self.max_model_len,)
+        self.chunk_len = self.prefill_buckets[-1]  # longer prompts are prefilled in chunks
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.num_steps)
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_ids |= set(getattr(self.tokenizer, "eos_token_ids", ()))
+        self._rng = np.random.default_rng(config.seed)
+        self._draft_probs_hook = draft_probs_hook
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._requests: dict[str, _Request] = {}
+        self._slots: list[_Request | None] = [None] * self.num_slots
+        self._aborted: set[str] = set()
+        self._split_models()
+        self.state = self._init_state()
+        self._compiled: dict = {}
+        logger.info(
+            "engine: %s, %s draft, %d slots x %d tokens (KV %.2f GiB), batch buckets %s, "
+            "prefill buckets %s", self.model_name, config.speculative_algorithm,
+            self.num_slots, self.max_model_len, self.kv_bytes / 2**30, self.batch_buckets,
+            self.prefill_buckets)
+        if config.precompile:
+            self.precompile()
+
+    # ------------------------------------------------------------------ set-up
+    def _load_tokenizer(self):
+        if not os.path.exists(os.path.join(self.config.model, "tokenizer.json")):
+            return None
+        from eagle_jax.tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(self.config.model)
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.draft is not None:
+            limit = min(limit, self.draft.max_positions)
+        want = self.config.max_model_len or limit
+        if want > limit:
+            raise ValueError(f"max_model_len {want} exceeds the model's limit of {limit} "
+                             "positions (target and draft max_position_embeddings)")
+        return want
+
+    def _bytes_per_slot(self) -> int:
+        cfg = self.model_config
+        per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                            self.dtype)
+        if self.draft is not None:
+            c = self.draft.init_cache(1, 1)
+            per_token += 2 * c.k.size * c.k.dtype.itemsize
+        return per_token * self.cache_len
+
+    def _num_slots(self) -> int:
+        per_slot = self._bytes_per_slot()
+        budget = self.config.kv_cache_memory
+        if budget is None and self.config.kv_cache_memory_fraction is not None:
+            stats = jax.devices()[0].memory_stats() or {}
+            limit = stats.get("bytes_limit")
+            if limit is None:
+                raise ValueError("kv_cache_memory_fraction needs a device that reports its "
+                                 "memory; pass kv_cache_memory (bytes) instead")
+            free = limit - stats.get("bytes_in_use", 0)
+            budget = int(free * self.config.kv_cache_memory_fraction)
+        slots = self.config.max_num_seqs
+        if budget is not None:
+            fit = budget // per_slot
+            if fit < 1:
+                raise ValueError(
+                    f"KV budget of {budget / 2**20:.1f} MiB holds no request of "
+                    f"max_model_len {self.max_model_len} ({per_slot / 2**20:.1f} MiB per slot); "
+                    "raise kv_cache_memory or lower max_model_len")
+            slots = min(slots, int(fit))
+        self.kv_bytes = slots * per_slot
+        return slots
+
+    def _split_models(self):
+        self._target_graph, self._target_params = nnx.split(self.target)
+        if self.draft is not None:
+            self._draft_graph, self._draft_params = nnx.split(self.draft)
+        else:
+            self._draft_graph, self._draft_params = None, None
+
+    def _init_state(self) -> step_lib.DecodeState:
+        n, cfg = self.num_slots, self.model_config
+        target_cache = KVCache.zeros(cfg.num_layers, n, self.cache_len, cfg.num_kv_heads,
+                                     cfg.head_dim, self.dtype)
+        draft_cache = draft_hidden = draft_logits = None
+        if self.draft is not None:
+            draft_cache = self.draft.init_cache(n, self.cache_len, self.dtype)
+            hidden = self.draft.project(jnp.zeros((1, self._feature_width()), self.dtype))
+            draft_hidden = jnp.zeros((n, hidden.shape[-1]), self.dtype)
+            draft_logits = jnp.zeros((n, self.draft.draft_vocab_size), jnp.float32)
+        return step_lib.DecodeState(
+            target_cache=target_cache, draft_cache=draft_cache,
+            seq_len=jnp.zeros((n,), jnp.int32), last_token=jnp.zeros((n,), jnp.int32),
+            draft_hidden=draft_hidden, draft_logits=draft_logits,
+            temperature=jnp.ones((n,), jnp.float32),
+            top_k=jnp.full((n,), TOP_K_ALL, jnp.int32),
+            top_p=jnp.ones((n,), jnp.float32), min_p=jnp.zeros((n,), jnp.float32),
+            key=jnp.zeros((n, 2), jnp.uint32), active=jnp.zeros((n,), bool))
+
+    def _feature_width(self) -> int:
+        layers = self.draft.feature_layers
+        return self.model_config.hidden_size * (len(layers) if layers else 1)
+
+    # ------------------------------------------------------------ compilation
+    def _step_fn(self, batch: int, with_logprobs: bool):
+        key = ("step", batch, with_logprobs)
+        if key in self._compiled:
+            return self._compiled[key]
+        tg, dg, cfg = self._target_graph, self._draft_graph, self.config
+
+        def run(target_params, draft_params, state):
+            target = nnx.merge(tg, target_params)
+            if dg is None:
+                return step_lib.plain_step(target, state, batch=batch, vocab_size=self.vocab_size,
+                                           with_logprobs=with_logprobs)
+            return step_lib.spec_step(
+                target, nnx.merge(dg, draft_params), state, batch=batch,
+                num_steps=cfg.num_steps,
+                probabilistic=cfg.draft_sample_method == "probabilistic",
+                vocab_size=self.vocab_size, with_logprobs=with_logprobs,
+                draft_probs_hook=self._draft_probs_hook)
+
+        fn = jax.jit(run, donate_argnums=(2,)).lower(
+            self._target_params, self._draft_params, self.state).compile()
+        self._compiled[key] = fn
+        return fn
+
+    def _prefill_fn(self, chunk: int):
+        key = ("prefill", chunk)
+        if key in self._compiled:
+            return self._compiled[key]
+        tg, dg = self._target_graph, self._draft_graph
+
+        def run(target_params, draft_params, state, slot, tokens, start, length, nxt, is_last):
+            target = nnx.merge(tg, target_params)
+            draft = None if dg is None else nnx.merge(dg, draft_params)
+            return step_lib.prefill_chunk(target, draft, state, slot, tokens, start, length, nxt,
+                                          is_last, vocab_size=self.vocab_size)
+
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        fn = jax.jit(run, donate_argnums=(2,)).lower(
+            self._target_params, self._draft_params, self.state, i32,
+            jax.ShapeDtypeStruct((chunk,), jnp.int32), i32, i32, i32,
+            jax.ShapeDtypeStruct((), jnp.bool_)).compile()
+        self._compiled[key] = fn
+        return fn
+
+    @functools.cached_property
+    def _assign(self):
+        return jax.jit(step_lib.assign_slot, donate_argnums=(0,))
+
+    @functools.cached_property
+    def _release(self):
+        return jax.jit(step_lib.release_slot, donate_argnums=(0,))
+
+    def precompile(self, with_logprobs: bool = False) -> None:
+        """Compiles every prefill and step bucket ahead of serving."""
+        jobs = [("prefill", c) for c in self.prefill_buckets] + [
+            ("step", b) for b in self.batch_buckets]
+        for kind, size in tqdm(jobs, desc="compiling buckets", leave=False):
+            if kind == "prefill":
+                self._prefill_fn(size)
+            else:
+                self._step_fn(size, with_logprobs)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Queues a request. Raises ValueError naming the problem for bad input."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
+            raise ValueError("prompt token ids must be integers")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if len(prompt) + 1 > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; with at least one generated token it "
+                f"exceeds max_model_len {self.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model directory has none")
+        req = _Request(request_id, [int(t) for t in prompt], params, time.monotonic())
+        if self.tokenizer is not None:
+            from eagle_jax.tokenizer import IncrementalDetokenizer
+
+            req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=req.prompt)
+        self._requests[request_id] = req
+        self._waiting.append(req)
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self._requests:
+            self._aborted.add(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def num_running(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Admits waiting requests, runs one decode step, returns what each produced."""
+        outputs: list[RequestOutput] = []
+        self._process_aborts(outputs)
+        self._admit(outputs)
+        occupied = [i for i, r in enumerate(self._slots) if r is not None]
+        if occupied:
+            self._decode(occupied, outputs)
+        return outputs
+
+    def _process_aborts(self, outputs):
+        for rid in list(self._aborted):
+            req = self._requests.get(rid)
+            self._aborted.discard(rid)
+            if req is None:
+                continue
+            if req.slot < 0:
+                self._waiting.remove(req)
+            self._finish(req, "abort", None)
+            outputs.append(self._output(req, [], []))
+
+    def _admit(self, outputs):
+        while self._waiting and None in self._slots:
+            req = self._waiting.popleft()
+            slot = self._slots.index(None)
+            req.slot = slot
+            self._slots[slot] = req
+            t, k, tp, mp = req.params.kernel_values()
+            seed = req.params.seed if req.params.seed is not None else int(
+                self._rng.integers(0, 2**31 - 1))
+            key = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
+            self.state = self._assign(self.state, np.int32(slot), np.float32(t), np.int32(k),
+                                      np.float32(tp), np.float32(mp), key)
+            first = self._prefill(req)
+            req.first_token_time = time.monotonic()
+            self._commit(req, [first[0]], [first[1]] if first[1] is not None else None, outputs)
+
+    def _prefill(self, req: _Request):
+        prompt, n = req.prompt, len(req.prompt)
+        start = 0
+        out = None
+        while start < n:
+            length = min(self.chunk_len, n - start)
+            chunk = next(b for b in self.prefill_buckets if b >= length)
+            tokens = np.zeros((chunk,), np.int32)
+            tokens[:length] = prompt[start:start + length]
+            is_last = start + length == n
+            nxt = prompt[start + length] if not is_last else 0
+            self.state, out = self._prefill_fn(chunk)(
+                self._target_params, self._draft_params, self.state, np.int32(req.slot), tokens,
+                np.int32(start), np.int32(length), np.int32(nxt), np.bool_(is_last))
+            start += length
+        token, lp, top_ids, top_lp = jax.device_get(out)
+        logprob = None
+        if req.params.logprobs is not None:
+            logprob = TokenLogprob(int(token), float(lp), {
+                int(i): float(v) for i, v in zip(top_ids[:req.params.logprobs],
+                                                 top_lp[:req.params.logprobs])})
+        return int(token), logprob
+
+    def _decode(self, occupied: list[int], outputs):
+        batch = next(b for b in self.batch_buckets if b > max(occupied))
+        with_logprobs = any(self._slots[i].params.logprobs is not None for i in occupied)
+        fn = self._step_fn(batch, with_logprobs)
+        self.state, out = fn(self._target_params, self._draft_params, self.state)
+        out = jax.device_get(out)  # the one host read of the step
+        self._record_stats(out, occupied)
+        for slot in occupied:
+            req = self._slots[slot]
+            n = int(out.num_tokens[slot])
+            toks = [int(t) for t in out.tokens[slot, :n]]
+            lps = None
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                lps = [TokenLogprob(toks[j], float(out.logprob[slot, j]), {
+                    int(i): float(v) for i, v in zip(out.top_ids[slot, j, :k],
+                                                     out.top_logprobs[slot, j, :k])})
+                       for j in range(n)]
+            self._commit(req, toks, lps, outputs)
+
+    def _record_stats(self, out, occupied):
+        s = self.stats
+        s.num_steps += 1
+        for slot in occupied:
+            n = int(out.num_tokens[slot])
+            s.num_emitted_tokens += n
+            s.num_invalid_tokens += int(np.sum((out.tokens[slot, :n] < 0) |
+                                               (out.tokens[slot, :n] >= self.vocab_size)))
+            if self.num_steps:
+                a = int(out.accept_len[slot])
+                s.num_drafts += 1
+                s.num_draft_tokens += self.num_steps
+                s.num_accepted_tokens += a
+                for i in range(a):
+                    s.accepted_per_pos[i] += 1
+                s.num_malformed_draft_probs += int(out.num_malformed[slot])
+                s.num_sampler_fallbacks += int(out.num_fallback[slot])
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, req: _Request, tokens: list[int], logprobs, outputs):
+        """Appends committed tokens, applying every stop condition in order."""
+        p = req.params
+        kept, reason, stop_reason = [], None, None
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        for tok in tokens:
+            kept.append(tok)
+            total = len(req.prompt) + len(req.output) + len(kept)
+            if tok in stop_ids:
+                reason, stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
+                break
+            if p.max_tokens is not None and len(req.output) + len(kept) >= p.max_tokens:
+                reason = "length"
+                break
+            if total >= self.max_model_len:
+                reason = "length"
+                break
+        new_text = ""
+        if req.detok is not None:
+            new_text = req.detok.push(kept)
+            if p.stop:
+                new_text, kept, hit = self._apply_stop_strings(req, new_text, kept)
+                if hit is not None:
+                    reason, stop_reason = "stop", hit
+            else:
+                req.text += new_text
+        req.output.extend(kept)
+        lps = logprobs[:len(kept)] if logprobs is not None else None
+        if lps:
+            req.logprobs.extend(lps)
+        if reason is not None:
+            self._finish(req, reason, stop_reason)
+        outputs.append(self._output(req, kept, lps, new_text))
+
+    def _apply_stop_strings(self, req: _Request, new_text: str, kept: list[int]):
+        """Cuts the text at the first stop string; drops the tokens past it.
+
+        A stop string may span several tokens of one accepted run: the tokens after the
+        one that completes the match are dropped, and the text ends before the match.
+        """
+        p = req.params
+        before = len(req.text)
+        text = req.text + new_text
+        window_start = max(0, before - max(len(s) for s in p.stop) + 1)
+        best = None
+        for s in p.stop:
+            i = text.find(s, window_start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            req.text = text
+            return new_text, kept, None
+        i, s = best
+        end = i + len(s) if p.include_stop_str_in_output else i
+        # Keep the tokens up to the one whose text completes the stop string.
+        from eagle_jax.tokenizer import IncrementalDetokenizer
+
+        probe = IncrementalDetokenizer(self.tokenizer, prompt_ids=req.prompt)
+        probe.push(req.output)
+        acc = req.text
+        cut = len(kept)
+        for j, tok in enumerate(kept):
+            acc += probe.push([tok])
+            if len(acc) >= i + len(s):
+                cut = j + 1
+                break
+        req.text = text[:end]
+        return text[before:end] if end > before else "", kept[:cut], s
+
+    def _finish(self, req: _Request, reason: str, stop_reason):
+        req.finished = True
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        if req.slot >= 0:
+            self._slots[req.slot] = None
+            self.state = self._release(self.state, np.int32(req.slot))
+        self._requests.pop(req.request_id, None)
+
+    def _output(self, req: _Request, new_tokens, new_logprobs, new_text: str = "") -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=list(new_tokens), finished=req.finished,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            new_logprobs=new_logprobs, num_prompt_tokens=len(req.prompt),
+            num_output_tokens=len(req.output), text=req.text, new_text=new_text)
+
+    # ------------------------------------------------------------- scoring
+    def prompt_logprobs(self, prompt_token_ids: list[int], top_n: int = 0
+                        ) -> list[TokenLogprob | None]:
+        """Logprob of every prompt token given its prefix (first entry None)."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, over max_model_len "
+                             f"{self.max_model_len}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bucket = 1 << max(4, (len(ids) - 1).bit_length())
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :len(ids)] = ids
+        lp, top_ids, top_lp = jax.device_get(self._score_fn(bucket)(self._target_params, tokens))
+        out: list[TokenLogprob | None] = [None]
+        for j in range(1, len(ids)):
+            out.append(TokenLogprob(ids[j], float(lp[0, j - 1]), {
+                int(i): float(v) for i, v in zip(top_ids[0, j - 1, :top_n], top_lp[0, j - 1, :top_n])}))
+        return out
+
+    def _score_fn(self, bucket: int):
+        key = ("score", bucket)
+        if key not in self._compiled:
+            tg, cfg, vocab = self._target_graph, self.model_config, self.vocab_size
+
+            @jax.jit
+            def score(params, tokens):
+                # tokens: [1, bucket] zero-padded; row j scores token j + 1.
+                target = nnx.merge(tg, params)
+                cache = KVCache.zeros(cfg.num_layers, 1, bucket, cfg.num_kv_heads, cfg.head_dim,
+                                      self.dtype)
+                logits = target(tokens, jnp.arange(bucket)[None], cache).logits
+                return step_lib._logprobs(logits, jnp.roll(tokens, -1, axis=1), vocab)
+
+            self._compiled[key] = score
+        return self._compiled[key]

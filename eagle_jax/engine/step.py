@@ -1,0 +1,304 @@
+"""The pure functions the engine jits: prefill, the speculative step, the plain step.
+
+Everything here is a function of arrays. The host-side scheduler (``engine.py``) owns
+the requests, picks a bucket, and calls the compiled executables; nothing in this
+module reads a device value back to the host.
+
+State layout (one row per slot, ``B_max`` rows; a step for bucket B works on rows
+[0, B)): ``seq_len[b]`` tokens of request b are in the target KV cache (positions
+0 .. seq_len-1); ``last_token[b]`` is the newest committed token, at position seq_len,
+not yet in the cache. The draft has consumed every committed token: its cache holds
+positions 0 .. seq_len-1 (row j took token j+1 with the target's feature of position j),
+``draft_hidden[b]`` is its output at the last of those rows and ``draft_logits[b]`` the
+LM-head projection of that row, from which the next step's first draft token comes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.kernels.draft_proposal import propose_draft_tokens
+from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
+from eagle_jax.kernels.spec_sampler import speculative_sample
+from eagle_jax.models.layers import KVCache
+from eagle_jax.sampling import MAX_LOGPROBS
+
+Array = jax.Array
+
+# Position given to padding tokens: past any cache, so their KV writes are dropped.
+PAD_POSITION = 1 << 30
+
+
+class DecodeState(NamedTuple):
+    """Per-slot device buffers. Shapes: [B_max] unless noted; H = draft hidden size."""
+
+    target_cache: KVCache  # [L, B_max, max_len, K, D]
+    draft_cache: KVCache | None  # [1, B_max, max_len, K_d, D_d]
+    seq_len: Array  # i32
+    last_token: Array  # i32
+    draft_hidden: Array | None  # [B_max, H]
+    draft_logits: Array | None  # [B_max, V_draft] f32
+    temperature: Array  # f32
+    top_k: Array  # i32
+    top_p: Array  # f32
+    min_p: Array  # f32
+    key: Array  # [B_max, 2] u32, per-request PRNG key (threefry raw)
+    active: Array  # bool
+
+
+class StepOutput(NamedTuple):
+    """What the host reads after a step. Shapes [B, W] with W = S + 1 (1 for plain)."""
+
+    tokens: Array  # i32, -1 past num_tokens
+    num_tokens: Array  # [B] i32 committed this step (accept_len + 1; 0 for inactive)
+    accept_len: Array  # [B] i32
+    num_malformed: Array  # [B] i32 draft-probability entries that were not probabilities
+    num_fallback: Array  # [B] i32 residual draws that fell back to p
+    logprob: Array | None  # [B, W] f32 logprob of each committed token
+    top_ids: Array | None  # [B, W, MAX_LOGPROBS] i32
+    top_logprobs: Array | None  # [B, W, MAX_LOGPROBS] f32
+
+
+class PrefillOutput(NamedTuple):
+    token: Array  # [] i32 the first generated token (valid on the last chunk)
+    logprob: Array  # [] f32
+    top_ids: Array  # [MAX_LOGPROBS] i32
+    top_logprobs: Array  # [MAX_LOGPROBS] f32
+
+
+def _split_keys(keys: Array, num: int) -> tuple[Array, Array]:
+    """keys: [B, 2] -> (next keys [B, 2], subkeys [B, num, 2])."""
+    split = jax.vmap(lambda k: jax.random.split(k, num + 1))(keys)
+    return split[:, 0], split[:, 1:]
+
+
+def _uniforms(subkey: Array, n: int) -> Array:
+    """subkey: [B, 2] -> [B, n] uniform in [0, 1)."""
+    return jax.vmap(lambda k: jax.random.uniform(k, (n,), jnp.float32))(subkey)
+
+
+def _logprobs(logits: Array, tokens: Array, vocab_size: int):
+    """Raw-distribution logprobs of tokens [...] and the top MAX_LOGPROBS alternatives."""
+    lp = jax.nn.log_softmax(logits[..., :vocab_size].astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.clip(tokens, 0, vocab_size - 1)[..., None], -1)[..., 0]
+    top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, vocab_size))
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def _draft_argmax(logits: Array, d2t: Array | None, vocab_size: int | None) -> Array:
+    """Greedy drafting: the first index of the maximum, mapped to target ids."""
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tok if d2t is None else tok + d2t[tok]
+
+
+def _rows(state: DecodeState, batch: int):
+    return (state.seq_len[:batch], state.last_token[:batch], state.temperature[:batch],
+            state.top_k[:batch], state.top_p[:batch], state.min_p[:batch],
+            state.key[:batch], state.active[:batch])
+
+
+def _write_rows(x: Array, batch: int, new: Array) -> Array:
+    return x.at[:batch].set(new.astype(x.dtype))
+
+
+def plain_step(target, state: DecodeState, *, batch: int, vocab_size: int,
+               with_logprobs: bool) -> tuple[DecodeState, StepOutput]:
+    """One token per request from the target alone (the non-speculative baseline)."""
+    seq_len, last, temp, top_k, top_p, min_p, keys, active = _rows(state, batch)
+    keys, sub = _split_keys(keys, 1)
+    positions = jnp.where(active, seq_len, PAD_POSITION)[:, None]
+    out = target(last[:, None], positions, state.target_cache)
+    logits = out.logits[:, 0]
+    probs = sampling_probs(logits, temp, top_k, top_p, min_p, vocab_size)
+    token = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])
+    token = jnp.where(active, token, -1)
+    n = active.astype(jnp.int32)
+    state = state._replace(
+        target_cache=out.cache,
+        seq_len=_write_rows(state.seq_len, batch, seq_len + n),
+        last_token=_write_rows(state.last_token, batch, jnp.where(active, token, last)),
+        key=_write_rows(state.key, batch, keys),
+    )
+    lp = _logprobs(logits[:, None], token[:, None], vocab_size) if with_logprobs else (None,) * 3
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return state, StepOutput(token[:, None], n, zeros, zeros, zeros, *lp)
+
+
+def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
+              probabilistic: bool, vocab_size: int, with_logprobs: bool,
+              draft_probs_hook: Callable[[Array], Array] | None = None,
+              ) -> tuple[DecodeState, StepOutput]:
+    """Propose S draft tokens, verify S + 1 positions, accept, extend the draft, commit.
+
+    ``draft_probs_hook`` (tests only) rewrites the draft probabilities between the
+    proposal and the sampler, as a corrupted buffer would (004).
+    """
+    S = num_steps
+    seq_len, last, temp, top_k, top_p, min_p, keys, active = _rows(state, batch)
+    keys, sub = _split_keys(keys, 2)
+    u_propose = _uniforms(sub[:, 0], S)
+    u_accept = _uniforms(sub[:, 1], S + 1)
+    target_vocab = target.config.vocab_size
+    # Greedy drafting proposes every row's argmax (q is then one-hot); probabilistic
+    # drafting samples the rows that sample and still proposes the argmax for greedy rows
+    # (top_k <= 1, 001).
+    # A reduced draft vocabulary (d2t) holds real tokens only; a full-width draft shares
+    # the target's padded embedding width and must mask the padding columns.
+    draft_vocab = None if draft.d2t is not None else vocab_size
+
+    # 1. Propose: S tokens, one draft forward per token after the first.
+    draft_cache = state.draft_cache
+    hidden = state.draft_hidden[:batch]
+    logits = state.draft_logits[:batch]
+    tokens, qs = [], []
+    for i in range(S):
+        if probabilistic:
+            tok, q = propose_draft_tokens(
+                logits, temp, top_k, top_p, min_p, u_propose[:, i], d2t=draft.d2t,
+                target_vocab_size=target_vocab, vocab_size=draft_vocab)
+            qs.append(q)
+        else:
+            tok = _draft_argmax(logits, draft.d2t, draft_vocab)
+        tokens.append(tok)
+        if i + 1 < S:
+            pos = jnp.where(active, seq_len + i, PAD_POSITION)[:, None]
+            h, draft_cache = draft(tok[:, None], hidden[:, None], pos, draft_cache)
+            hidden = h[:, 0]
+            logits = draft.logits(hidden)
+    draft_tokens = jnp.stack(tokens, axis=1)  # [B, S]
+    draft_probs = jnp.stack(qs, axis=1) if probabilistic else None  # [B, S, V]
+    if draft_probs_hook is not None:
+        if draft_probs is None:
+            draft_probs = jax.nn.one_hot(draft_tokens, target_vocab, dtype=jnp.float32)
+        draft_probs = draft_probs_hook(draft_probs)
+
+    # 2. Verify: [last_token, d_1 .. d_S] at positions seq_len .. seq_len + S.
+    window = jnp.arange(S + 1)
+    verify_tokens = jnp.concatenate([last[:, None], draft_tokens], axis=1)
+    verify_pos = jnp.where(active[:, None], seq_len[:, None] + window, PAD_POSITION)
+    out = target(verify_tokens, verify_pos, state.target_cache,
+                 aux_layers=draft.feature_layers or ())
+    features = out.aux_hidden if draft.feature_layers else out.hidden
+
+    # 3. Accept (Pallas sampler).
+    res = speculative_sample(draft_tokens, draft_probs, out.logits, temp, top_k, top_p, min_p,
+                             u_accept, vocab_size, active)
+    accept = res.accept_len
+    emitted = jnp.take_along_axis(res.tokens, accept[:, None], axis=1)[:, 0]
+
+    # 4. Draft extend over the verified window: row j takes the committed token at
+    # position seq_len + j + 1 and the target's feature at seq_len + j. Rows past the
+    # accepted prefix are dropped; only row `accept` goes through the LM head (000).
+    padded = jnp.concatenate([draft_tokens, emitted[:, None]], axis=1)
+    ext_tokens = jnp.where(window[None] < accept[:, None], padded, emitted[:, None])
+    ext_pos = jnp.where(window[None] <= accept[:, None], verify_pos, PAD_POSITION)
+    h, draft_cache = draft(ext_tokens, draft.project(features), ext_pos, draft_cache)
+    next_logits = draft.select_logits(h, accept)
+    next_hidden = jnp.take_along_axis(h, accept[:, None, None], axis=1)[:, 0]
+
+    # 5. Commit.
+    n = jnp.where(active, accept + 1, 0)
+    keep = active[:, None]
+    state = state._replace(
+        target_cache=out.cache,
+        draft_cache=draft_cache,
+        seq_len=_write_rows(state.seq_len, batch, seq_len + n),
+        last_token=_write_rows(state.last_token, batch, jnp.where(active, emitted, last)),
+        draft_hidden=_write_rows(state.draft_hidden, batch,
+                                 jnp.where(keep, next_hidden, state.draft_hidden[:batch])),
+        draft_logits=_write_rows(state.draft_logits, batch,
+                                 jnp.where(keep, next_logits, state.draft_logits[:batch])),
+        key=_write_rows(state.key, batch, keys),
+    )
+    lp = (_logprobs(out.logits, res.tokens, vocab_size) if with_logprobs else (None,) * 3)
+    return state, StepOutput(res.tokens, n, jnp.where(active, accept, 0), res.num_malformed_q,
+                             res.num_fallback, *lp)
+
+
+def prefill_chunk(target, draft, state: DecodeState, slot: Array, tokens: Array, start: Array,
+                  length: Array, next_token: Array, is_last: Array, *, vocab_size: int
+                  ) -> tuple[DecodeState, PrefillOutput]:
+    """Prefill one chunk of one request's prompt into cache row ``slot``.
+
+    tokens: [C] (padded past ``length``), covering prompt positions start .. start+length-1;
+    next_token: the prompt token after this chunk (unused on the last chunk). On the last
+    chunk the first generated token is sampled with the slot's sampling parameters, and
+    the draft (a different model class: 003) runs its own prefill extend over the chunk
+    with the tokens shifted by one.
+    """
+    c = tokens.shape[0]
+    idx = jnp.arange(c)
+    valid = idx < length
+    positions = jnp.where(valid, start + idx, PAD_POSITION)[None]
+    slots = slot[None]
+    last_row = length - 1
+    out = target(tokens[None], positions, state.target_cache, logit_rows=last_row[None, None],
+                 aux_layers=(draft.feature_layers or ()) if draft is not None else (),
+                 slots=slots)
+    logits = out.logits[:, 0]  # [1, V]
+    key, sub = _split_keys(state.key[slot][None], 1)
+    row = lambda x: x[slot][None]
+    probs = sampling_probs(logits, row(state.temperature), row(state.top_k), row(state.top_p),
+                           row(state.min_p), vocab_size)
+    first = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])[0]
+    lp, top_ids, top_lp = _logprobs(logits, first[None], vocab_size)
+    total = start + length
+    updates = dict(
+        target_cache=out.cache,
+        seq_len=state.seq_len.at[slot].set(jnp.where(is_last, total, state.seq_len[slot])),
+        last_token=state.last_token.at[slot].set(jnp.where(is_last, first, state.last_token[slot])),
+        key=state.key.at[slot].set(jnp.where(is_last, key[0], state.key[slot])),
+        active=state.active.at[slot].set(state.active[slot] | is_last),
+    )
+    if draft is not None:
+        following = jnp.where(is_last, first, next_token)
+        shifted = jnp.where(idx == last_row, following, jnp.roll(tokens, -1))
+        features = out.aux_hidden if draft.feature_layers else out.hidden
+        h, draft_cache = draft(shifted[None], draft.project(features), positions,
+                               state.draft_cache, slots=slots)
+        sel_logits = draft.select_logits(h, last_row[None])[0]
+        sel_hidden = h[0, last_row]
+        updates.update(
+            draft_cache=draft_cache,
+            draft_hidden=state.draft_hidden.at[slot].set(sel_hidden.astype(state.draft_hidden.dtype)),
+            draft_logits=state.draft_logits.at[slot].set(sel_logits),
+        )
+    return state._replace(**updates), PrefillOutput(first, lp[0], top_ids[0], top_lp[0])
+
+
+def assign_slot(state: DecodeState, slot: Array, temperature: Array, top_k: Array, top_p: Array,
+                min_p: Array, key: Array) -> DecodeState:
+    """Writes a new request's sampling tensors into ``slot`` (inactive until prefilled)."""
+    return state._replace(
+        temperature=state.temperature.at[slot].set(temperature),
+        top_k=state.top_k.at[slot].set(top_k),
+        top_p=state.top_p.at[slot].set(top_p),
+        min_p=state.min_p.at[slot].set(min_p),
+        key=state.key.at[slot].set(key),
+        active=state.active.at[slot].set(False),
+        seq_len=state.seq_len.at[slot].set(0),
+    )
+
+
+def release_slot(state: DecodeState, slot: Array) -> DecodeState:
+    """Marks ``slot`` free: padded sampling values (TOP_K_ALL, T = 1), inactive."""
+    from eagle_jax.sampling import TOP_K_ALL
+
+    return state._replace(
+        temperature=state.temperature.at[slot].set(1.0),
+        top_k=state.top_k.at[slot].set(TOP_K_ALL),
+        top_p=state.top_p.at[slot].set(1.0),
+        min_p=state.min_p.at[slot].set(0.0),
+        active=state.active.at[slot].set(False),
+    )
+
+
+def merged(graphdef: Any, params: Any):
+    """Rebuilds an NNX module from its graphdef and parameter state inside a trace."""
+    return None if graphdef is None else nnx.merge(graphdef, params)

@@ -1,0 +1,83 @@
+"""Host-side request and output records shared by the engine, LLM and the server."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """Logprob of one committed token under the target model, plus its top alternatives.
+
+    Logprobs are of the raw target distribution (log_softmax of the logits, before
+    temperature and filters), as vLLM reports them by default.
+    """
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # up to SamplingParams.logprobs entries, most likely first
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step produced for one request.
+
+    ``new_token_ids`` may hold several tokens: every token a speculative step committed
+    (already cut at a stop condition). ``text`` is the detokenised text so far when the
+    engine has a tokenizer, with stop strings removed.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    new_logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative, after this step
+    text: str = ""
+    new_text: str = ""
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """The whole result of one request, as LLM.generate returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclasses.dataclass
+class SpecDecodeStats:
+    """Cumulative speculative-decoding counters (vLLM's spec_decode metric names).
+
+    ``num_drafts``: request-steps that drafted; ``num_draft_tokens``: tokens drafted;
+    ``num_accepted_tokens``: draft tokens accepted; ``accepted_per_pos[i]``: draft tokens
+    accepted at position i. Mean accept length (tokens committed per request-step,
+    the bonus token included) is ``1 + num_accepted_tokens / num_drafts``.
+    """
+
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_invalid_tokens: int = 0
+    num_malformed_draft_probs: int = 0
+    num_sampler_fallbacks: int = 0
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def mean_accept_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def acceptance_per_position(self) -> list[float]:
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]

@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""OpenAI-compatible server for an EAGLE / EAGLE-3 speculative-decoding engine.
+
+    python scripts/serve.py --model TARGET_DIR --draft-model DRAFT_DIR \
+        [--speculative-algorithm EAGLE3] [--num-steps 5] [--port 8000] ...
+
+Without --model it serves the project's embedded default model
+(eagle_jax/assets/default, its draft in eagle_jax/assets/default/draft).
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
+/tokenize, /detokenize, /tokenizer_info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+DEFAULT_MODEL_DIR = os.path.join(_REPO, "eagle_jax", "assets", "default")
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="HF checkpoint directory of the target (default: the embedded model)")
+    g.add_argument("--draft-model", default=None, help="checkpoint directory of the draft")
+    g.add_argument("--speculative-algorithm", default="EAGLE3",
+                   choices=["EAGLE", "EAGLE3", "NONE"], type=str.upper)
+    g.add_argument("--num-steps", type=_positive_int, default=5, help="draft steps per step")
+    g.add_argument("--num-draft-tokens", type=_positive_int, default=None,
+                   help="draft tokens per step (default: num_steps + 1)")
+    g.add_argument("--draft-sample-method", default="greedy",
+                   choices=["greedy", "probabilistic"])
+    g.add_argument("--max-model-len", type=_positive_int, default=2048)
+    g.add_argument("--max-num-seqs", type=_positive_int, default=64, help="batch slots")
+    g.add_argument("--batch-buckets", default=None,
+                   help="comma-separated batch buckets (default: powers of two up to "
+                        "--max-num-seqs)")
+    g.add_argument("--prefill-buckets", default=None,
+                   help="comma-separated prompt chunk lengths compiled for prefill "
+                        "(default: the engine's)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-precompile", action="store_true",
+                   help="compile batch buckets lazily instead of at start-up")
+    s = p.add_argument_group("server")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id clients use (default: the model directory's name)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (also env EAGLE_JAX_API_KEY)")
+    s.add_argument("--max-queue-len", type=int, default=1024,
+                   help="waiting requests beyond the slots before answering 503")
+    s.add_argument("--max-body-bytes", type=_positive_int, default=8 << 20)
+    s.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between stats log lines while busy (0: off)")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _buckets(arg: str | None, max_num_seqs: int) -> tuple[int, ...]:
+    if arg:
+        return tuple(sorted({int(x) for x in arg.split(",") if x.strip()}))
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    out.append(max_num_seqs)
+    return tuple(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("eagle_jax.serve")
+
+    model, draft = args.model, args.draft_model
+    if model is None:
+        if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
+            print(
+                f"error: no --model given and the embedded default model is not shipped yet "
+                f"({DEFAULT_MODEL_DIR} has no config.json); pass --model TARGET_DIR and "
+                "--draft-model DRAFT_DIR",
+                file=sys.stderr,
+            )
+            return 2
+        model = DEFAULT_MODEL_DIR
+        if draft is None:
+            cand = os.path.join(DEFAULT_MODEL_DIR, "draft")
+            if os.path.isfile(os.path.join(cand, "config.json")):
+                draft = cand
+    if not os.path.isdir(model):
+        print(f"error: --model {model!r} is not a directory", file=sys.stderr)
+        return 2
+    if draft is not None and not os.path.isdir(draft):
+        print(f"error: --draft-model {draft!r} is not a directory", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("EAGLE_JAX_API_KEY") or None
+
+    from eagle_jax.engine import Engine, EngineConfig
+
+    extra = {}
+    if args.prefill_buckets:
+        extra["prefill_buckets"] = tuple(
+            sorted({int(x) for x in args.prefill_buckets.split(",") if x.strip()}))
+    config = EngineConfig(
+        model=model,
+        draft_model=draft,
+        speculative_algorithm=args.speculative_algorithm,
+        num_steps=args.num_steps,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_sample_method=args.draft_sample_method,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        batch_buckets=_buckets(args.batch_buckets, args.max_num_seqs),
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed,
+        precompile=not args.no_precompile,
+        **extra,
+    )
+    log.info("loading the engine: %s", config)
+    engine = Engine(config)
+
+    import uvicorn
+
+    from eagle_jax.server import create_app
+
+    app = create_app(
+        engine,
+        served_model_name=args.served_model_name,
+        api_key=api_key,
+        max_queue_len=args.max_queue_len,
+        max_body_bytes=args.max_body_bytes,
+        log_interval=args.log_interval,
+        model_path=model,
+    )
+    log.info("serving %s on http://%s:%d (api key %s)", args.served_model_name or engine.model_name,
+             args.host, args.port, "required" if api_key else "not required")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""Engine invariants: greedy equality, continuous batching, the seed write-ups' guarantees.
+
+Every engine here runs float32 on the CPU with tiny random models; speculative and
+plain engines share the target, so greedy outputs must agree token for token.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from eagle_jax import SamplingParams
+from eagle_jax.engine import Engine, EngineConfig
+
+# One batch bucket and one prefill chunk keep compiles few; engines are shared per module.
+BASE = dict(dtype="float32", max_model_len=96, max_num_seqs=4, batch_buckets=(4,),
+            prefill_buckets=(32,), compilation_cache_dir="", num_steps=3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Llama target with a test tokenizer of 300 tokens (embedding width 320, as a
+    padded vocabulary), and EAGLE-1 / EAGLE-3 drafts for it."""
+    from eagle_jax.testutil.drafts import write_tiny_eagle1_draft, write_tiny_eagle3_draft
+    from eagle_jax.testutil.models import write_tiny_target
+    from eagle_jax.testutil.tokenizer import write_test_tokenizer
+
+    root = tmp_path_factory.mktemp("engine")
+    target = write_tiny_target(str(root / "target"), "llama", vocab_size=320, num_layers=4,
+                               eos_token_id=2, init_std=0.15)
+    write_test_tokenizer(target, vocab_size=300)
+    return dict(
+        target=target,
+        eagle3=write_tiny_eagle3_draft(str(root / "eagle3"), target, draft_vocab_size=200),
+        eagle1=write_tiny_eagle1_draft(str(root / "eagle1"), target),
+    )
+
+
+def _new_engine(models, algo="EAGLE3", hook=None, **kw):
+    draft = None if algo == "NONE" else models["eagle3" if algo == "EAGLE3" else "eagle1"]
+    return Engine(EngineConfig(model=models["target"], draft_model=draft,
+                               speculative_algorithm=algo, **{**BASE, **kw}),
+                  draft_probs_hook=hook)
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    """Engines built on first use and shared by the tests of this module."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            algo, method = {"none": ("NONE", "greedy"), "eagle3": ("EAGLE3", "greedy"),
+                            "eagle3_prob": ("EAGLE3", "probabilistic"),
+                            "eagle1": ("EAGLE", "greedy")}[name]
+            built[name] = _new_engine(models, algo, draft_sample_method=method)
+        return built[name]
+
+    return get
+
+
+def _prompts(n, seed=0, lo=3, hi=40, vocab=300):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(7, vocab, int(rng.integers(lo, hi)))] for _ in range(n)]
+
+
+def _run(engine, schedule):
+    """schedule: list of (join_step, request_id, prompt, params). Returns id -> tokens."""
+    out = {rid: [] for _, rid, _, _ in schedule}
+    done, step = set(), 0
+    while len(done) < len(schedule):
+        for join, rid, prompt, params in schedule:
+            if join == step:
+                engine.add_request(rid, prompt, params)
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                done.add(o.request_id)
+        step += 1
+        assert step < 500
+    return out
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle1"])
+def test_greedy_speculative_equals_target_with_joins_and_leaves(engines, name):
+    prompts = _prompts(6, seed=1)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (20, 7, 33, 12, 25, 9)]
+    # 6 requests over 4 slots: queueing, and requests joining mid-run as others leave.
+    schedule = [(j, f"r{i}", p, g) for i, (j, p, g) in enumerate(zip((0, 0, 2, 3, 5, 9), prompts,
+                                                                      greedy))]
+    ref = _run(engines("none"), schedule)
+    eng = engines(name)
+    got = _run(eng, schedule)
+    assert got == ref
+    assert eng.stats.num_drafts > 0 and eng.stats.num_invalid_tokens == 0
+    # Random drafts against a random target still agree sometimes; the counts add up.
+    s = eng.stats
+    assert sum(s.accepted_per_pos) == s.num_accepted_tokens
+    assert s.num_emitted_tokens == s.num_drafts + s.num_accepted_tokens
+
+
+def test_greedy_rows_keep_argmax_accept_length_under_rejection_sampling(engines):
+    """001: with probabilistic drafting, temperature-0 rows still propose the argmax, so
+    their accept lengths equal the argmax path's, step for step."""
+    prompts = _prompts(4, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    lengths = {}
+    for name in ("eagle3", "eagle3_prob"):
+        eng = engines(name)
+        before = (eng.stats.num_accepted_tokens, list(eng.stats.accepted_per_pos))
+        out = _run(eng, [(0, f"g{i}", p, params) for i, p in enumerate(prompts)])
+        lengths[name] = (out, eng.stats.num_accepted_tokens - before[0],
+                         [a - b for a, b in zip(eng.stats.accepted_per_pos, before[1])])
+    assert lengths["eagle3"] == lengths["eagle3_prob"]
+
+
+def test_mixed_batch_keeps_each_rows_behaviour(engines):
+    prompts = _prompts(4, seed=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=5)
+    alone = _run(engines("none"), [(0, f"r{i}", p, greedy) for i, p in enumerate(prompts)])
+    eng = engines("eagle3_prob")
+    mixed = _run(eng, [(0, f"r{i}", p, greedy if i % 2 == 0 else sampled)
+                       for i, p in enumerate(prompts)])
+    assert mixed["r0"] == alone["r0"] and mixed["r2"] == alone["r2"]
+    assert all(0 <= t < 300 for t in mixed["r1"] + mixed["r3"])
+
+
+def test_same_seed_same_output_regardless_of_batch(engines):
+    prompts = _prompts(3, seed=4)
+    p = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14, ignore_eos=True, seed=100 + i)
+         for i in range(3)]
+    eng = engines("eagle3_prob")
+    together = _run(eng, [(0, f"r{i}", q, s) for i, (q, s) in enumerate(zip(prompts, p))])
+    alone = _run(eng, [(0, "r1", prompts[1], p[1])])
+    assert alone["r1"] == together["r1"]
+    again = _run(eng, [(0, f"r{i}", q, s) for i, (q, s) in enumerate(zip(prompts, p))])
+    assert again == together
+
+
+def test_corrupted_draft_probs_never_commit_invalid_tokens(models):
+    """004: malformed draft probabilities inside the step are rejected and counted; no
+    committed id is negative or >= the tokenizer vocabulary (300 < width 320)."""
+    # Whole 64-aligned column runs are overwritten, as the recycled mask did upstream:
+    # NaN, -inf, 0, a negative value and a value > 1, each in its own runs.
+    values = jax.numpy.asarray([np.nan, -np.inf, 0.0, -0.5, 7.0], jax.numpy.float32)
+
+    def hook(q):
+        run = np.arange(q.shape[-1]) // 64
+        return jax.numpy.where(run % 2 == 1, values[(run // 2) % 5], q)
+
+    eng = _new_engine(models, "EAGLE3", hook=hook, draft_sample_method="probabilistic")
+    prompts = _prompts(8, seed=6)
+    out = _run(eng, [(0, f"r{i}", p, SamplingParams(temperature=1.0, max_tokens=20,
+                                                    ignore_eos=True, seed=i))
+                     for i, p in enumerate(prompts)])
+    toks = [t for v in out.values() for t in v]
+    assert len(toks) == 160 and all(0 <= t < 300 for t in toks)
+    assert eng.stats.num_invalid_tokens == 0
+    assert eng.stats.num_malformed_draft_probs > 0
+
+
+def test_draft_extend_projects_one_row_and_draft_never_runs_target_code(models, monkeypatch):
+    """000: the draft-extend LM head sees one row per request ([B, H] -> [B, V_draft]),
+    never [B, S+1, H]. 003: the target's forward is entered by the target module only,
+    during prefill and the step alike."""
+    from eagle_jax.models import draft as draft_mod
+    from eagle_jax.models.decoder import Decoder
+
+    seen, callers = [], []
+    select, forward = draft_mod._DraftBase.select_logits, Decoder.__call__
+
+    def select_spy(self, hidden_out, rows):
+        out = select(self, hidden_out, rows)
+        seen.append((hidden_out.shape, rows.shape, out.shape))
+        return out
+
+    def forward_spy(self, *args, **kwargs):
+        callers.append(type(self).__name__)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(draft_mod._DraftBase, "select_logits", select_spy)
+    monkeypatch.setattr(Decoder, "__call__", forward_spy)
+    eng = _new_engine(models, "EAGLE3", precompile=False)
+    _run(eng, [(0, "a", _prompts(1, lo=35, hi=36)[0],
+                SamplingParams(temperature=0, max_tokens=8))])
+    steps = [s for s in seen if s[0] == (4, 4, s[0][2])]  # the step: B = 4, window S+1 = 4
+    assert steps, seen
+    for hidden_shape, rows_shape, out_shape in seen:
+        assert rows_shape == (hidden_shape[0],) and out_shape == (hidden_shape[0], 200)
+    assert callers and set(callers) == {"Decoder"}
+    assert type(eng.draft).__name__ == "Eagle3Draft" and not isinstance(eng.draft, Decoder)
+
+
+def test_no_recompilation_after_warmup(engines):
+    eng = engines("eagle3_prob")
+    params = SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True)
+    _run(eng, [(0, f"w{i}", p, params) for i, p in enumerate(_prompts(3, seed=8))])
+    compiles = []
+    listening = [True]
+
+    def listener(event, duration, **kwargs):
+        if listening[0] and "compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        _run(eng, [(0, f"x{i}", p, params) for i, p in enumerate(_prompts(3, seed=9))])
+        _run(eng, [(0, "y", _prompts(1, seed=10)[0], params)])
+    finally:
+        listening[0] = False
+    assert compiles == []
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(), "empty"),
+    (list(range(7, 7 + 96)), SamplingParams(), "exceeds max_model_len"),
+    ([5, 305], SamplingParams(), "outside the vocabulary"),
+    ([5, -1], SamplingParams(), "outside the vocabulary"),
+])
+def test_bad_requests_raise_and_engine_keeps_serving(engines, prompt, params, message):
+    eng = engines("eagle3")
+    eng.add_request("ok", [9, 10, 11], SamplingParams(temperature=0, max_tokens=5))
+    with pytest.raises(ValueError, match=message):
+        eng.add_request("bad", prompt, params)
+    out = _run(eng, [])
+    assert out == {}
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["ok"] and done[0].num_output_tokens == 5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(stop=5), "stop"),
+    (dict(stop=[1, 2]), "stop"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_stop_strings_eos_and_abort(engines):
+    eng = engines("eagle3")
+    tok = eng.tokenizer
+    prompt = tok.encode("def fibonacci(n):")
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = _run(engines("none"), [(0, "f", prompt, greedy)])["f"]
+    text = tok.decode(full)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), text
+    eng.add_request("s", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                stop=[stop]))
+    eng.add_request("x", prompt, greedy)
+    outs = []
+    for _ in range(3):
+        outs += eng.step()
+    eng.abort_request("x")
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    final = {o.request_id: o for o in outs if o.finished}
+    s = final["s"]
+    assert s.finish_reason == "stop" and s.stop_reason == stop
+    assert s.text == text[:text.index(stop)]
+    got = [t for o in outs if o.request_id == "s" for t in o.new_token_ids]
+    assert got == full[:len(got)] and len(got) < len(full)  # tokens past the stop dropped
+    assert stop in tok.decode(got) and stop not in tok.decode(got[:-1])
+    assert final["x"].finish_reason == "abort"
+    assert eng.num_running() == 0 and eng.num_waiting() == 0
+
+
+def test_logprobs_of_committed_tokens(models, engines):
+    import jax.numpy as jnp
+
+    from eagle_jax.models.decoder import load_decoder
+    from eagle_jax.models.layers import KVCache
+
+    eng = engines("eagle3")
+    prompt = _prompts(1, seed=12)[0]
+    eng.add_request("l", prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=3,
+                                                ignore_eos=True))
+    toks, lps = [], []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            toks += o.new_token_ids
+            lps += o.new_logprobs or []
+    assert [lp.token_id for lp in lps] == toks and len(toks) == 6
+    target = load_decoder(models["target"], "float32")
+    seq = prompt + toks
+    c = target.config
+    logits = np.asarray(target(jnp.asarray([seq]), jnp.arange(len(seq))[None],
+                               KVCache.zeros(c.num_layers, 1, 128, c.num_kv_heads, c.head_dim,
+                                             jnp.float32)).logits[0])
+    ref = jax.nn.log_softmax(logits[:, :300], -1)
+    for j, lp in enumerate(lps):
+        row = ref[len(prompt) - 1 + j]
+        assert abs(lp.logprob - float(row[toks[j]])) < 1e-4
+        assert list(lp.top) == [int(i) for i in np.argsort(-row)[:3]]

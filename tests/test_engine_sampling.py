@@ -1,0 +1,127 @@
+"""Sampled speculative output follows the target's distribution (goodness of fit).
+
+A 16-token target and an EAGLE-3 draft for it; thousands of requests with the same
+prompt and distinct seeds each generate 3 tokens. The first comes from the target alone
+(prefill), the next two from speculative steps (drafted, accepted or resampled, bonus).
+The empirical joint distribution of (t2, t3) is compared with its exact value under the
+target, p(t2, t3) = sum_t1 p(t1) p(t2 | t1) p(t3 | t1, t2), each factor after the
+request's temperature / top-k / top-p, by a chi-square test.
+
+False-alarm rate: each case rejects a correct sampler with probability ALPHA = 1e-3;
+the 4 cases together with probability < 0.4%. The seeds are fixed, so the outcome is
+deterministic: a correct engine passes every time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle_jax import SamplingParams
+from eagle_jax.engine import Engine, EngineConfig
+from eagle_jax.kernels.filters import sampling_probs
+from eagle_jax.models.decoder import load_decoder
+from eagle_jax.models.layers import KVCache
+from eagle_jax.sampling import TOP_K_ALL
+
+VOCAB = 16
+PROMPT = [3, 9, 4, 11]
+NUM_REQUESTS = 4000
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from eagle_jax.testutil.drafts import write_tiny_eagle3_draft
+    from eagle_jax.testutil.models import write_tiny_target
+
+    root = tmp_path_factory.mktemp("gof")
+    target = write_tiny_target(str(root / "target"), "llama", vocab_size=VOCAB, hidden_size=32,
+                               num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                               init_std=0.25, seed=3)
+    draft = write_tiny_eagle3_draft(str(root / "draft"), target, seed=4, init_std=0.25)
+    return target, draft
+
+
+def _exact_joint(target_dir, temperature, top_k, top_p):
+    """p(t2, t3) under the target with the request's filters, as a [V, V] table."""
+    model = load_decoder(target_dir, "float32")
+    c = model.config
+    t1, t2 = np.meshgrid(np.arange(VOCAB), np.arange(VOCAB), indexing="ij")
+    seqs = np.concatenate([np.tile(PROMPT, (VOCAB * VOCAB, 1)), t1.reshape(-1, 1),
+                           t2.reshape(-1, 1)], axis=1)
+    n = seqs.shape[1]
+    cache = KVCache.zeros(c.num_layers, len(seqs), n, c.num_kv_heads, c.head_dim, jnp.float32)
+    logits = model(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(n), seqs.shape), cache).logits
+    rows = logits.shape[:2]
+    probs = np.asarray(sampling_probs(
+        logits, jnp.full(rows, temperature), jnp.full(rows, top_k, jnp.int32),
+        jnp.full(rows, top_p), jnp.zeros(rows)), np.float64)
+    probs = probs.reshape(VOCAB, VOCAB, n, VOCAB)
+    p1 = probs[0, 0, len(PROMPT) - 1]  # [t1]
+    p2 = probs[:, 0, len(PROMPT)]  # [t1, t2]
+    p3 = probs[:, :, len(PROMPT) + 1]  # [t1, t2, t3]
+    return np.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+def _chi_square_pvalue(counts, expected):
+    """Pools cells with expected count < 5 into one, then the chi-square survival value."""
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    return float(jax.scipy.special.gammaincc(dof / 2.0, stat / 2.0)), stat, dof
+
+
+def _sample(pair, method, temperature, top_k, top_p, hook=None):
+    target, draft = pair
+    engine = Engine(EngineConfig(
+        model=target, draft_model=draft, speculative_algorithm="EAGLE3", num_steps=3,
+        draft_sample_method=method, dtype="float32", max_model_len=32, max_num_seqs=64,
+        batch_buckets=(64,), prefill_buckets=(8,), compilation_cache_dir=""),
+        draft_probs_hook=hook)
+    for i in range(NUM_REQUESTS):
+        engine.add_request(str(i), PROMPT, SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3, seed=1000 + i,
+            ignore_eos=True))
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert len(out) == NUM_REQUESTS and all(len(v) == 3 for v in out.values())
+    counts = np.zeros((VOCAB, VOCAB))
+    for toks in out.values():
+        counts[toks[1], toks[2]] += 1
+    expected = _exact_joint(target, temperature, TOP_K_ALL if top_k < 0 else top_k,
+                            top_p) * NUM_REQUESTS
+    return engine, counts, expected
+
+
+@pytest.mark.parametrize("method, temperature, top_k, top_p", [
+    ("greedy", 1.0, -1, 1.0),
+    ("greedy", 0.7, 6, 0.9),
+    ("probabilistic", 1.0, -1, 1.0),
+    ("probabilistic", 0.7, 6, 0.9),
+])
+def test_sampled_tokens_follow_the_target(pair, method, temperature, top_k, top_p):
+    engine, counts, expected = _sample(pair, method, temperature, top_k, top_p)
+    pvalue, stat, dof = _chi_square_pvalue(counts.ravel(), expected.ravel())
+    assert pvalue > ALPHA, (stat, dof, pvalue)
+    # The step both accepted and rejected draft tokens, so both paths were exercised.
+    s = engine.stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    # Tokens the filters remove never appear.
+    assert counts[expected == 0].sum() == 0
+
+
+def test_the_fit_test_detects_a_biased_sampler(pair):
+    """The same test on a deliberately wrong accept rule (q halved: over-acceptance of
+    draft tokens) must reject: the test has power, it is not vacuous."""
+    _, counts, expected = _sample(pair, "probabilistic", 1.0, -1, 1.0, hook=lambda q: q * 0.5)
+    pvalue, _, _ = _chi_square_pvalue(counts.ravel(), expected.ravel())
+    assert pvalue < ALPHA

@@ -1,0 +1,55 @@
+"""Every Pallas kernel lowers through the Triton path for CUDA and ROCm on a CPU machine.
+
+jax.export needs the Triton custom call allowed explicitly: it carries no
+serialisation-compatibility guarantee (the kernel IR is embedded in the module).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from eagle_jax import kernels as K
+from eagle_jax.kernels._common import TRITON_CUSTOM_CALL
+
+S = jax.ShapeDtypeStruct
+f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+
+CASES = {
+    "speculative_sample": (
+        lambda d, q, l, t, k, tp, mp, u: K.speculative_sample(d, q, l, t, k, tp, mp, u, 1000, interpret=False),
+        [S((4, 3), i32), S((4, 3, 1024), f32), S((4, 4, 1024), f32), S((4,), f32), S((4,), i32),
+         S((4,), f32), S((4,), f32), S((4, 4), f32)], 2),
+    "speculative_sample_onehot_q": (
+        lambda d, l, t, k, tp, mp, u: K.speculative_sample(d, None, l, t, k, tp, mp, u, 1000, interpret=False,
+                                                           target_is_probs=True),
+        [S((4, 3), i32), S((4, 4, 1024), f32), S((4,), f32), S((4,), i32), S((4,), f32), S((4,), f32),
+         S((4, 4), f32)], 2),
+    "propose_draft_tokens": (
+        lambda l, t, k, tp, mp, u, d2t: K.propose_draft_tokens(l, t, k, tp, mp, u, d2t=d2t, target_vocab_size=2000,
+                                                               interpret=False),
+        [S((4, 1000), f32), S((4,), f32), S((4,), i32), S((4,), f32), S((4,), f32), S((4,), f32),
+         S((1000,), i32)], 1),
+    "rmsnorm_concat": (
+        lambda a, b, c, d: K.rmsnorm_concat(a, b, c, d, 1e-6, 1e-6, interpret=False),
+        [S((8, 96), bf16), S((8, 96), bf16), S((96,), f32), S((96,), f32)], 1),
+    "gathered_lm_head": (
+        lambda h, r, w: K.gathered_lm_head(h, r, w, interpret=False),
+        [S((16, 64), bf16), S((4,), i32), S((1000, 64), bf16)], 1),
+}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_exports_triton_kernel(name, platform):
+  fn, args, num_calls = CASES[name]
+  exported = jax.export.export(
+      jax.jit(fn), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*args)
+  text = exported.mlir_module()
+  assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") == num_calls
+
+
+def test_export_refused_without_opt_in():
+  fn, args, _ = CASES["rmsnorm_concat"]
+  with pytest.raises(ValueError, match="custom calls"):
+    jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)

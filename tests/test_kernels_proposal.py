@@ -1,0 +1,71 @@
+"""Draft proposal kernel: greedy by top_k (seed 001), goodness of fit, d2t mapping."""
+
+import numpy as np
+
+from eagle_jax.kernels import propose_draft_tokens, propose_draft_tokens_reference, sampling_probs
+from eagle_jax.sampling import TOP_K_ALL
+
+ALPHA = 1e-3  # false-alarm rate per chi-square statistic
+
+
+def chi2_pvalue(observed, expected_probs):
+  """Pearson chi-square p-value via the regularised upper incomplete gamma."""
+  import jax
+  observed = np.asarray(observed, np.float64)
+  support = expected_probs > 0
+  assert observed[~support].sum() == 0, "a token of probability 0 was proposed"
+  expected = observed.sum() * expected_probs[support]
+  stat = np.sum((observed[support] - expected) ** 2 / expected)
+  return float(jax.scipy.special.gammaincc((support.sum() - 1) / 2.0, stat / 2.0))
+
+
+def test_greedy_rows_propose_argmax_at_temperature_one():
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((6, 1000)).astype(np.float32) * 0.3  # flat: sampling would wander
+  logits[:, 17] = logits[:, 600] = 2.0  # tie: first index
+  t = np.ones(6, np.float32)
+  k = np.array([1, 1, 1, TOP_K_ALL, TOP_K_ALL, 1], np.int32)
+  u = rng.uniform(size=6).astype(np.float32)
+  tokens, q = propose_draft_tokens(logits, t, k, t, 0 * t, u, block_v=128)
+  tokens, q = np.asarray(tokens), np.asarray(q)
+  assert np.all(tokens[k == 1] == 17)
+  assert np.all(q[k == 1, 17] == 1.0) and np.all(q[k == 1].sum(-1) == 1.0)
+  assert np.all(q[np.arange(6), tokens] > 0)
+
+
+def test_matches_reference_with_d2t():
+  rng = np.random.default_rng(1)
+  batch, draft_vocab, target_vocab = 5, 1000, 1531
+  logits = rng.standard_normal((batch, draft_vocab)).astype(np.float32) * 2
+  d2t = (np.sort(rng.choice(target_vocab, draft_vocab, replace=False)) - np.arange(draft_vocab)).astype(np.int32)
+  t = rng.choice([0.7, 1.0], batch).astype(np.float32)
+  k = np.array([1, TOP_K_ALL, 20, TOP_K_ALL, 1], np.int32)
+  tp = np.array([1.0, 0.9, 1.0, 1.0, 1.0], np.float32)
+  u = rng.uniform(size=batch).astype(np.float32)
+  for d2t_arg, width in ((d2t, target_vocab), (None, None)):
+    tok, q = propose_draft_tokens(logits, t, k, tp, 0 * t, u, d2t=d2t_arg,
+                                  target_vocab_size=width, vocab_size=990, block_v=256)
+    rtok, rq = propose_draft_tokens_reference(logits, t, k, tp, 0 * t, u, d2t=d2t_arg,
+                                              target_vocab_size=width, vocab_size=990)
+    np.testing.assert_array_equal(tok, rtok)
+    np.testing.assert_array_equal(q, rq)  # every element written (zeros included)
+    assert np.all(np.asarray(q)[np.arange(batch), np.asarray(tok)] > 0)
+  draft_ids = np.asarray(propose_draft_tokens(logits, t, k, tp, 0 * t, u)[0])
+  mapped = np.asarray(propose_draft_tokens(logits, t, k, tp, 0 * t, u, d2t=d2t,
+                                           target_vocab_size=target_vocab)[0])
+  np.testing.assert_array_equal(mapped, draft_ids + d2t[draft_ids])
+
+
+def test_sampled_rows_follow_q():
+  rng = np.random.default_rng(2)
+  rows = 6000
+  base = rng.standard_normal(12).astype(np.float32)
+  logits = np.broadcast_to(base, (rows, 12)).copy()
+  t = np.full(rows, 0.8, np.float32)
+  k = np.where(np.arange(rows) < rows // 2, TOP_K_ALL, 5).astype(np.int32)
+  tp = np.ones(rows, np.float32)
+  u = rng.uniform(size=rows).astype(np.float32)
+  tokens = np.asarray(propose_draft_tokens(logits, t, k, tp, 0 * t, u)[0])
+  for sl in (slice(0, rows // 2), slice(rows // 2, rows)):
+    q = np.asarray(sampling_probs(base, 0.8, k[sl.start], 1.0, 0.0))
+    assert chi2_pvalue(np.bincount(tokens[sl], minlength=12), q) > ALPHA
