@@ -150,7 +150,7 @@ def save_safetensors(path: str, tensors: Mapping[str, np.ndarray],
     offset = 0
     arrays = []
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(np.asarray(arr))
+        arr = np.ascontiguousarray(np.asarray(arr)).reshape(np.shape(arr))
         code = _NP_TO_SAFETENSORS.get(arr.dtype)
         if code is None:
             raise ValueError(f"tensor {name!r}: dtype {arr.dtype} cannot be saved")

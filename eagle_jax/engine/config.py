@@ -33,6 +33,10 @@ class EngineConfig:
       dtype: parameter and activation dtype ("bfloat16" or "float32").
       precompile: compile every bucket at start (with a progress bar).
       compilation_cache_dir: JAX persistent compilation cache ("" disables it).
+      async_scheduling: dispatch each step before reading the previous one's tokens.
+      synthetic_acceptance: benchmarks only: accept each draft token with this
+        probability instead of by the sampler's verdict (fixes the accept length, as
+        serving benchmarks do); committed tokens are then not the model's output.
     """
 
     model: str
@@ -53,6 +57,8 @@ class EngineConfig:
     compilation_cache_dir: str = os.path.join(
         os.path.expanduser("~"), ".cache", "eagle_jax", "jax_cache")
     served_model_name: str | None = None
+    async_scheduling: bool = True
+    synthetic_acceptance: float | None = None
 
     def __post_init__(self):
         algo = self.speculative_algorithm.upper()
@@ -80,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"prefill_buckets must be positive, got {self.prefill_buckets}")
         object.__setattr__(self, "batch_buckets", tuple(sorted(set(self.batch_buckets))))
         object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
+        if self.synthetic_acceptance is not None and not 0 <= self.synthetic_acceptance <= 1:
+            raise ValueError("synthetic_acceptance must be in [0, 1]")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
 

@@ -59,22 +59,44 @@ def _enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def _split(module):
+    """module -> ((graphdef, treedef), parameter leaves); (None, None) for no module."""
+    if module is None:
+        return None, None
+    graph, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    return (graph, treedef), leaves
+
+
+def _merge(definition, leaves):
+    """Rebuilds a module from ``_split``'s output inside a trace."""
+    if definition is None:
+        return None
+    graph, treedef = definition
+    return nnx.merge(graph, jax.tree.unflatten(treedef, leaves))
+
+
 class Engine:
     """Continuous-batching EAGLE engine. Not thread-safe: drive it from one thread."""
 
-    def __init__(self, config: EngineConfig, *, tokenizer=None,
-                 draft_probs_hook: Callable | None = None):
+    def __init__(self, config: EngineConfig, *, tokenizer=None, target: Decoder | None = None,
+                 draft=None, draft_probs_hook: Callable | None = None):
+        """``target`` / ``draft``: modules built by the caller (benchmarks with random
+        weights) instead of loading ``config.model`` / ``config.draft_model``.
+        ``draft_probs_hook`` (tests only) rewrites the draft probabilities inside the
+        step, as a corrupted buffer would (004)."""
         self.config = config
         _enable_compilation_cache(config.compilation_cache_dir)
         dtype = resolve_dtype(config.dtype)
         self.dtype = dtype
-        self.target: Decoder = load_decoder(config.model, dtype)
+        self.target: Decoder = target if target is not None else load_decoder(config.model, dtype)
         self.model_config: ModelConfig = self.target.config
-        self.draft = None
-        if config.speculative:
+        self.draft = draft
+        if config.speculative and draft is None:
             from eagle_jax.models.draft_checkpoint import load_draft
 
             self.draft = load_draft(config.draft_model, self.target, dtype)
+        if self.draft is not None:
             if self.draft.kind != config.speculative_algorithm:
                 raise ValueError(
                     f"{config.draft_model} is an {self.draft.kind} draft but "
@@ -106,6 +128,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._slots: list[_Request | None] = [None] * self.num_slots
         self._aborted: set[str] = set()
+        self._in_flight = None  # (StepOutput on device, slot -> request at dispatch)
         self._split_models()
         self.state = self._init_state()
         self._compiled: dict = {}
@@ -168,11 +191,10 @@ class Engine:
         return slots
 
     def _split_models(self):
-        self._target_graph, self._target_params = nnx.split(self.target)
-        if self.draft is not None:
-            self._draft_graph, self._draft_params = nnx.split(self.draft)
-        else:
-            self._draft_graph, self._draft_params = None, None
+        # Parameters travel to the executables as flat lists: flattening a list per call
+        # costs far less host time than flattening an NNX state tree.
+        self._target_graph, self._target_params = _split(self.target)
+        self._draft_graph, self._draft_params = _split(self.draft)
 
     def _init_state(self) -> step_lib.DecodeState:
         n, cfg = self.num_slots, self.model_config
@@ -205,16 +227,17 @@ class Engine:
         tg, dg, cfg = self._target_graph, self._draft_graph, self.config
 
         def run(target_params, draft_params, state):
-            target = nnx.merge(tg, target_params)
+            target = _merge(tg, target_params)
             if dg is None:
                 return step_lib.plain_step(target, state, batch=batch, vocab_size=self.vocab_size,
                                            with_logprobs=with_logprobs)
             return step_lib.spec_step(
-                target, nnx.merge(dg, draft_params), state, batch=batch,
+                target, _merge(dg, draft_params), state, batch=batch,
                 num_steps=cfg.num_steps,
                 probabilistic=cfg.draft_sample_method == "probabilistic",
                 vocab_size=self.vocab_size, with_logprobs=with_logprobs,
-                draft_probs_hook=self._draft_probs_hook)
+                draft_probs_hook=self._draft_probs_hook,
+                synthetic_acceptance=cfg.synthetic_acceptance)
 
         fn = jax.jit(run, donate_argnums=(2,)).lower(
             self._target_params, self._draft_params, self.state).compile()
@@ -228,8 +251,8 @@ class Engine:
         tg, dg = self._target_graph, self._draft_graph
 
         def run(target_params, draft_params, state, slot, tokens, start, length, nxt, is_last):
-            target = nnx.merge(tg, target_params)
-            draft = None if dg is None else nnx.merge(dg, draft_params)
+            target = _merge(tg, target_params)
+            draft = _merge(dg, draft_params)
             return step_lib.prefill_chunk(target, draft, state, slot, tokens, start, length, nxt,
                                           is_last, vocab_size=self.vocab_size)
 
@@ -295,7 +318,7 @@ class Engine:
             self._aborted.add(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or self._in_flight is not None
 
     def num_running(self) -> int:
         return sum(r is not None for r in self._slots)
@@ -305,13 +328,21 @@ class Engine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Admits waiting requests, runs one decode step, returns what each produced."""
+        """Admits waiting requests, runs one decode step, returns what each produced.
+
+        With ``async_scheduling`` the step is dispatched before the previous step's
+        tokens are read, so the host's bookkeeping overlaps the device's work; a request
+        that the previous step finished is then computed once more and discarded.
+        """
         outputs: list[RequestOutput] = []
         self._process_aborts(outputs)
         self._admit(outputs)
-        occupied = [i for i, r in enumerate(self._slots) if r is not None]
-        if occupied:
-            self._decode(occupied, outputs)
+        occupied = {i: r for i, r in enumerate(self._slots) if r is not None}
+        launched = self._launch(occupied) if occupied else None
+        if self.config.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is not None:
+            self._collect(*launched, outputs)
         return outputs
 
     def _process_aborts(self, outputs):
@@ -364,15 +395,22 @@ class Engine:
                                                  top_lp[:req.params.logprobs])})
         return int(token), logprob
 
-    def _decode(self, occupied: list[int], outputs):
+    def _launch(self, occupied: dict[int, _Request]):
+        """Dispatches the step of the smallest bucket covering every occupied slot."""
         batch = next(b for b in self.batch_buckets if b > max(occupied))
-        with_logprobs = any(self._slots[i].params.logprobs is not None for i in occupied)
+        with_logprobs = any(r.params.logprobs is not None for r in occupied.values())
         fn = self._step_fn(batch, with_logprobs)
         self.state, out = fn(self._target_params, self._draft_params, self.state)
-        out = jax.device_get(out)  # the one host read of the step
-        self._record_stats(out, occupied)
-        for slot in occupied:
-            req = self._slots[slot]
+        for x in jax.tree.leaves(out):
+            x.copy_to_host_async()
+        return out, occupied
+
+    def _collect(self, out, occupied: dict[int, _Request], outputs):
+        """Reads a step's tokens (the one host read of the step) and commits them."""
+        out = jax.device_get(out)
+        live = {slot: req for slot, req in occupied.items() if not req.finished}
+        self._record_stats(out, live)
+        for slot, req in live.items():
             n = int(out.num_tokens[slot])
             toks = [int(t) for t in out.tokens[slot, :n]]
             lps = None
@@ -384,10 +422,10 @@ class Engine:
                        for j in range(n)]
             self._commit(req, toks, lps, outputs)
 
-    def _record_stats(self, out, occupied):
+    def _record_stats(self, out, live: dict[int, _Request]):
         s = self.stats
         s.num_steps += 1
-        for slot in occupied:
+        for slot in live:
             n = int(out.num_tokens[slot])
             s.num_emitted_tokens += n
             s.num_invalid_tokens += int(np.sum((out.tokens[slot, :n] < 0) |
@@ -519,7 +557,7 @@ class Engine:
             @jax.jit
             def score(params, tokens):
                 # tokens: [1, bucket] zero-padded; row j scores token j + 1.
-                target = nnx.merge(tg, params)
+                target = _merge(tg, params)
                 cache = KVCache.zeros(cfg.num_layers, 1, bucket, cfg.num_kv_heads, cfg.head_dim,
                                       self.dtype)
                 logits = target(tokens, jnp.arange(bucket)[None], cache).logits

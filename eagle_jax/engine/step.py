@@ -15,11 +15,10 @@ LM-head projection of that row, from which the next step's first draft token com
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
@@ -133,15 +132,19 @@ def plain_step(target, state: DecodeState, *, batch: int, vocab_size: int,
 def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
               probabilistic: bool, vocab_size: int, with_logprobs: bool,
               draft_probs_hook: Callable[[Array], Array] | None = None,
+              synthetic_acceptance: float | None = None,
               ) -> tuple[DecodeState, StepOutput]:
     """Propose S draft tokens, verify S + 1 positions, accept, extend the draft, commit.
 
     ``draft_probs_hook`` (tests only) rewrites the draft probabilities between the
     proposal and the sampler, as a corrupted buffer would (004).
+    ``synthetic_acceptance`` (benchmarks only) replaces the sampler's verdict by
+    accepting each draft token with that probability; the emitted token is then the
+    target's argmax at the first rejected position.
     """
     S = num_steps
     seq_len, last, temp, top_k, top_p, min_p, keys, active = _rows(state, batch)
-    keys, sub = _split_keys(keys, 2)
+    keys, sub = _split_keys(keys, 3)
     u_propose = _uniforms(sub[:, 0], S)
     u_accept = _uniforms(sub[:, 1], S + 1)
     target_vocab = target.config.vocab_size
@@ -189,6 +192,9 @@ def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
     # 3. Accept (Pallas sampler).
     res = speculative_sample(draft_tokens, draft_probs, out.logits, temp, top_k, top_p, min_p,
                              u_accept, vocab_size, active)
+    if synthetic_acceptance is not None:
+        res = _synthetic_verdict(res, draft_tokens, out.logits, _uniforms(sub[:, 2], S),
+                                 synthetic_acceptance, active)
     accept = res.accept_len
     emitted = jnp.take_along_axis(res.tokens, accept[:, None], axis=1)[:, 0]
 
@@ -219,6 +225,23 @@ def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
     lp = (_logprobs(out.logits, res.tokens, vocab_size) if with_logprobs else (None,) * 3)
     return state, StepOutput(res.tokens, n, jnp.where(active, accept, 0), res.num_malformed_q,
                              res.num_fallback, *lp)
+
+
+def _synthetic_verdict(res, draft_tokens: Array, target_logits: Array, u: Array, rate: float,
+                       active: Array):
+    """Accepts draft token i with probability ``rate`` while all before it were accepted."""
+    S = draft_tokens.shape[1]
+    accept = jnp.sum(jnp.cumprod(u < rate, axis=1), axis=1).astype(jnp.int32)
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, S+1]
+    emitted = jnp.take_along_axis(target_argmax, accept[:, None], axis=1)
+    window = jnp.arange(S + 1)[None]
+    padded = jnp.concatenate([draft_tokens, emitted], axis=1)
+    tokens = jnp.where(window < accept[:, None], padded,
+                       jnp.where(window == accept[:, None], emitted, -1))
+    accept = jnp.where(active, accept, 0)
+    tokens = jnp.where(active[:, None], tokens, -1)
+    return res._replace(tokens=tokens, accept_len=accept,
+                        num_tokens=jnp.where(active, accept + 1, 0))
 
 
 def prefill_chunk(target, draft, state: DecodeState, slot: Array, tokens: Array, start: Array,
@@ -297,8 +320,3 @@ def release_slot(state: DecodeState, slot: Array) -> DecodeState:
         min_p=state.min_p.at[slot].set(0.0),
         active=state.active.at[slot].set(False),
     )
-
-
-def merged(graphdef: Any, params: Any):
-    """Rebuilds an NNX module from its graphdef and parameter state inside a trace."""
-    return None if graphdef is None else nnx.merge(graphdef, params)

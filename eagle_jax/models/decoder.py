@@ -142,9 +142,17 @@ def load_decoder(model_dir: str, dtype="float32") -> Decoder:
     return model
 
 
-def save_decoder(model: Decoder, model_dir: str, hf_config: dict, dtype=None) -> None:
-    """Writes config.json and safetensors shards that transformers loads."""
+def save_decoder(model: Decoder, model_dir: str, hf_config: dict, dtype=None, *,
+                 max_shard_bytes: int | None = None) -> None:
+    """Writes config.json and safetensors shards that transformers loads.
+
+    ``max_shard_bytes`` bounds each shard (default: ``save_sharded``'s 5 GiB).
+    """
     os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    save_sharded(model_dir, module_tensors(model, checkpoint_name, dtype))
+    tensors = module_tensors(model, checkpoint_name, dtype)
+    if max_shard_bytes is None:
+        save_sharded(model_dir, tensors)
+    else:
+        save_sharded(model_dir, tensors, max_shard_bytes=max_shard_bytes)

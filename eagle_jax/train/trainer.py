@@ -1,0 +1,359 @@
+"""Draft training with optax: data-parallel jit step, evaluation, resumable checkpoints.
+
+Run directory (``TrainConfig.out``)::
+
+    data/                     the feature cache (``FeatureStore``), reused when it matches
+    checkpoints/step_XXXXXXX/ state.safetensors (params + optimizer state) + meta.json
+                              (step, rng key, data order seed)
+    metrics.jsonl             one line per log / evaluation
+    draft/                    the final draft in the published layout (``save_draft``)
+
+The step is one ``jax.jit`` over a Mesh with a 'data' axis spanning the local devices:
+the batch is sharded over 'data', parameters and optimizer state are replicated, and
+XLA inserts the gradient all-reduce. The batch of step s is drawn from a numpy
+generator seeded by (seed, s) and noise keys are ``fold_in(key, s)``, so a resumed run
+draws exactly the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from eagle_jax.checkpoint import CheckpointReader, save_safetensors
+from eagle_jax.config import resolve_dtype
+from eagle_jax.models.draft import EAGLE, EAGLE3, DraftConfig, new_draft
+from eagle_jax.models.draft_checkpoint import save_draft
+from eagle_jax.train import data as data_lib
+from eagle_jax.train import unroll
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    target: str
+    corpus: str
+    out: str
+    algorithm: str = EAGLE3  # "EAGLE3" or "EAGLE"
+    tokenizer: str | None = None  # default: the target directory
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.0
+    clip_norm: float = 0.5
+    b1: float = 0.9
+    b2: float = 0.95
+    draft_vocab_size: int | None = None  # EAGLE-3; None = the target vocabulary
+    ttt_steps: int = 3  # EAGLE-3 unroll length (7 in published recipes)
+    ttt_decay: float = 0.8
+    eagle1_v_weight: float = 1.0
+    eagle1_p_weight: float = 0.1
+    eagle1_noise: float = 0.0
+    eval_steps: int | None = None  # unroll steps measured at eval (default ttt_steps)
+    dtype: str = "float32"  # parameter dtype: float32 or bfloat16
+    target_dtype: str | None = None  # default: dtype
+    eval_every: int = 100
+    save_every: int = 500
+    log_every: int = 10
+    eval_fraction: float = 0.05
+    eval_batches: int = 4
+    max_sequences: int | None = None
+    chunk_sequences: int = 256
+    collect_batch_size: int = 8
+    data_dir: str | None = None  # default: out/data
+    seed: int = 0
+    resume: bool = False
+    stop_after: int | None = None  # end this invocation at that step (a later --resume goes on)
+    keep_checkpoints: int = 2
+    progress: bool = True
+    # draft geometry overrides (default: the target's)
+    intermediate_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    max_position_embeddings: int | None = None
+    aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3: layer OUTPUT ids (published)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def draft_config_for(target_cfg, cfg: TrainConfig, d2t_size: int | None) -> DraftConfig:
+    """A single-layer draft with the target's geometry (overridable)."""
+    t = target_cfg
+    heads = cfg.num_heads or t.num_heads
+    raw: dict[str, Any] = dict(
+        architectures=["LlamaForCausalLMEagle3" if cfg.algorithm == EAGLE3
+                       else "LlamaForCausalLMEagle"],
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+        intermediate_size=cfg.intermediate_size or t.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=cfg.num_kv_heads or (t.num_kv_heads if heads == t.num_heads
+                                                 else heads),
+        head_dim=t.head_dim if heads == t.num_heads else t.hidden_size // heads,
+        rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings or t.max_position_embeddings,
+        bos_token_id=t.bos_token_id,
+        eos_token_id=list(t.eos_token_ids) if t.eos_token_ids else None,
+    )
+    if t.rope_scaling is not None:
+        rs = t.rope_scaling
+        raw["rope_scaling"] = dict(rope_type="llama3", factor=rs.factor,
+                                   low_freq_factor=rs.low_freq_factor,
+                                   high_freq_factor=rs.high_freq_factor,
+                                   original_max_position_embeddings=rs.original_max_position_embeddings)
+    if cfg.algorithm == EAGLE3:
+        raw.update(draft_vocab_size=d2t_size or t.vocab_size, target_hidden_size=t.hidden_size)
+        if cfg.aux_layer_ids is not None:
+            raw["eagle_config"] = dict(eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
+                                       use_aux_hidden_state=True)
+    return DraftConfig.from_hf_dict(raw, cfg.algorithm, target_cfg, source="train config")
+
+
+def prepare_data(target, cfg: TrainConfig, feature_layers) -> data_lib.FeatureStore:
+    """The feature cache for this run: reused when its parameters match, else rebuilt."""
+    root = cfg.data_dir or os.path.join(cfg.out, "data")
+    source = dict(target=os.path.abspath(cfg.target), corpus=os.path.abspath(cfg.corpus),
+                  max_sequences=cfg.max_sequences, target_dtype=cfg.target_dtype or cfg.dtype)
+    expect = dict(kind=cfg.algorithm, seq_len=cfg.seq_len, source=source,
+                  feature_layers=list(feature_layers) if feature_layers else None)
+    if data_lib.FeatureStore.matches(root, **expect):
+        return data_lib.FeatureStore(root)
+    tokenizer = None
+    docs = data_lib.read_corpus(cfg.corpus)
+    first = next(docs, None)
+    if first is None:
+        raise ValueError(f"corpus {cfg.corpus} is empty")
+    if isinstance(first, str):
+        from eagle_jax.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_dir(cfg.tokenizer or cfg.target)
+
+    def all_docs():
+        yield first
+        yield from docs
+
+    seqs = data_lib.chunk_sequences(all_docs(), cfg.seq_len, tokenizer, target.config.vocab_size)
+    return data_lib.collect_features(
+        target, seqs, root, kind=cfg.algorithm, feature_layers=feature_layers,
+        seq_len=cfg.seq_len, batch_size=cfg.collect_batch_size,
+        chunk_sequences=cfg.chunk_sequences, max_sequences=cfg.max_sequences,
+        progress=cfg.progress, source=source)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW under linear warm-up + cosine decay, with global-norm gradient clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=max(cfg.warmup, 1),
+        decay_steps=max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2,
+                                   weight_decay=cfg.weight_decay))
+
+
+# ----------------------------------------------------------------------- checkpoints
+
+
+def _named_leaves(tree, prefix: str) -> dict[str, Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {prefix + jax.tree_util.keystr(path): leaf for path, leaf in flat}
+
+
+def save_train_state(path: str, params, opt_state, step: int, key_data: np.ndarray,
+                     extra: dict) -> None:
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for name, leaf in {**_named_leaves(params, "params"),
+                       **_named_leaves(opt_state, "opt")}.items():
+        tensors[name] = np.asarray(jax.device_get(leaf))
+    save_safetensors(os.path.join(path, "state.safetensors"), tensors)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(dict(step=step, key=[int(k) for k in key_data], **extra), f, indent=2)
+
+
+def load_train_state(path: str, params, opt_state):
+    """Fills templates ``params``/``opt_state`` from ``path``; returns (params, opt, meta)."""
+    reader = CheckpointReader(path)
+
+    def fill(tree, prefix):
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = []
+        for p, leaf in flat:
+            name, shape = prefix + jax.tree_util.keystr(p), np.shape(leaf)
+            # save_safetensors stores a 0-d array as [1] (np.ascontiguousarray is >= 1-d)
+            arr = reader.get(name, expected_shape=(1,) if shape == () else shape)
+            leaves.append(jnp.asarray(arr, dtype=jnp.asarray(leaf).dtype).reshape(shape))
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    return fill(params, "params"), fill(opt_state, "opt"), meta
+
+
+def latest_checkpoint(out: str) -> str | None:
+    paths = sorted(glob.glob(os.path.join(out, "checkpoints", "step_*")))
+    paths = [p for p in paths if os.path.exists(os.path.join(p, "meta.json"))]
+    return paths[-1] if paths else None
+
+
+# ------------------------------------------------------------------------- training
+
+
+def _batch_indices(seed: int, step: int, pool: np.ndarray, batch: int) -> np.ndarray:
+    return np.random.default_rng([seed, step]).choice(pool, size=batch, replace=pool.size < batch)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Trains a draft for ``cfg.target``; returns a summary (final eval, step, paths)."""
+    from eagle_jax.models.decoder import load_decoder  # the target runs only here (data)
+
+    if cfg.algorithm not in (EAGLE, EAGLE3):
+        raise ValueError(f"algorithm must be EAGLE or EAGLE3, got {cfg.algorithm!r}")
+    os.makedirs(cfg.out, exist_ok=True)
+    dtype = resolve_dtype(cfg.dtype)
+    target = load_decoder(cfg.target, cfg.target_dtype or cfg.dtype)
+    tcfg = target.config
+
+    # features: EAGLE-3 reads the inputs of the aux layers, EAGLE-1 the final hidden
+    probe = draft_config_for(tcfg, cfg, None)
+    store = prepare_data(target, cfg, probe.feature_layers)
+    n = len(store)
+    n_eval = max(1, int(round(n * cfg.eval_fraction))) if n > 1 else 0
+    train_pool = np.arange(n - n_eval)
+    eval_pool = np.arange(n - n_eval, n)
+    if train_pool.size == 0:
+        raise ValueError(f"only {n} sequence(s) of {cfg.seq_len} tokens: too few to train")
+
+    d2t = None
+    if cfg.algorithm == EAGLE3 and cfg.draft_vocab_size and cfg.draft_vocab_size < tcfg.vocab_size:
+        d2t = data_lib.build_vocab_map(store.counts, cfg.draft_vocab_size)
+    dcfg = draft_config_for(tcfg, cfg, None if d2t is None else d2t.size)
+    embed = target.embed_tokens.weight.get_value().astype(dtype)
+    head = (target.embed_tokens if target.lm_head is None else target.lm_head).weight.get_value()
+    draft = new_draft(dcfg, target_embed=embed, target_lm_head=head.astype(dtype),
+                      d2t=None if d2t is None else jnp.asarray(d2t), dtype=dtype, seed=cfg.seed,
+                      use_kernels=False)  # Pallas kernels have no VJP: the jnp path trains
+    del target, head  # the draft keeps only the arrays it borrows
+    t2d_ids = jnp.asarray(data_lib.target_to_draft(d2t, tcfg.vocab_size))
+
+    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+    tx = make_optimizer(cfg)
+    opt_state = tx.init(params)
+    start, key_data = 0, np.asarray(jax.random.key_data(jax.random.key(cfg.seed)))
+    ckpt = latest_checkpoint(cfg.out) if cfg.resume else None
+    if ckpt is not None:
+        params, opt_state, meta = load_train_state(ckpt, params, opt_state)
+        start, key_data = int(meta["step"]), np.asarray(meta["key"], np.uint32)
+    base_key = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32))
+
+    devices = jax.local_devices()
+    if cfg.batch_size % len(devices):
+        raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the "
+                         f"{len(devices)} local devices")
+    mesh = Mesh(np.array(devices), ("data",))
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    params, opt_state, rest, t2d_ids = jax.device_put((params, opt_state, rest, t2d_ids),
+                                                      replicated)
+    eval_steps = cfg.eval_steps or max(cfg.ttt_steps, 1)
+
+    def loss_fn(params, rest, batch, key):
+        model = nnx.merge(graphdef, params, rest)
+        if cfg.algorithm == EAGLE3:
+            return unroll.eagle3_loss(model, batch, cfg.ttt_steps, t2d_ids, cfg.ttt_decay)
+        return unroll.eagle1_loss(model, batch, v_weight=cfg.eagle1_v_weight,
+                                  p_weight=cfg.eagle1_p_weight, noise_key=key,
+                                  noise_std=cfg.eagle1_noise)
+
+    @jax.jit
+    def train_step(params, opt_state, rest, batch, step):
+        key = jax.random.fold_in(base_key, step)
+        (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch, key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, dict(loss=loss, parts=parts, grad_norm=optax.tree.norm(grads))
+
+    @jax.jit
+    def eval_step(params, rest, batch):
+        return unroll.step_accuracy(nnx.merge(graphdef, params, rest), batch, eval_steps)
+
+    def device_batch(idx):
+        return jax.device_put(store.get(idx), sharded)  # host -> shards, one transfer
+
+    def evaluate(params):
+        if eval_pool.size == 0:
+            return None
+        correct = np.zeros(eval_steps)
+        count = np.zeros(eval_steps)
+        for i in range(cfg.eval_batches):
+            idx = eval_pool[np.arange(i * cfg.batch_size, (i + 1) * cfg.batch_size) % eval_pool.size]
+            c, k = jax.device_get(eval_step(params, rest, device_batch(idx)))
+            correct += c
+            count += k
+            if (i + 1) * cfg.batch_size >= eval_pool.size:
+                break
+        return [float(x) for x in correct / np.maximum(count, 1)]
+
+    log_path = os.path.join(cfg.out, "metrics.jsonl")
+
+    def log(record):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    history = []
+    initial_acc = evaluate(params) if start == 0 and cfg.eval_every else None
+    if initial_acc is not None:
+        log(dict(step=0, eval_acc=initial_acc))
+        history.append(dict(step=0, eval_acc=initial_acc))
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train draft",
+               disable=not cfg.progress)
+    t0 = time.time()
+    for step in bar:
+        batch = device_batch(_batch_indices(cfg.seed, step, train_pool, cfg.batch_size))
+        params, opt_state, m = train_step(params, opt_state, rest, batch, jnp.int32(step))
+        done = step + 1
+        if done % cfg.log_every == 0 or done == end:
+            m = jax.device_get(m)
+            rec = dict(step=done, loss=float(m["loss"]), parts=[float(x) for x in m["parts"]],
+                       grad_norm=float(m["grad_norm"]), elapsed_s=round(time.time() - t0, 2))
+            bar.set_postfix(loss=f"{rec['loss']:.4f}")
+            log(rec)
+        if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+            acc = evaluate(params)
+            if acc is not None:
+                log(dict(step=done, eval_acc=acc))
+                history.append(dict(step=done, eval_acc=acc))
+                bar.write(f"step {done}: draft top-1 accuracy per step " +
+                          " ".join(f"{a:.3f}" for a in acc))
+        if cfg.save_every and (done % cfg.save_every == 0 or done in (cfg.steps, end)):
+            save_train_state(os.path.join(cfg.out, "checkpoints", f"step_{done:07d}"), params,
+                             opt_state, done, key_data, dict(seed=cfg.seed, algorithm=cfg.algorithm))
+            _prune_checkpoints(cfg.out, cfg.keep_checkpoints)
+    bar.close()
+
+    final = nnx.merge(graphdef, jax.device_get(params), jax.device_get(rest))
+    draft_dir = os.path.join(cfg.out, "draft")
+    save_draft(final, draft_dir)
+    final_acc = history[-1]["eval_acc"] if history else None
+    return dict(step=max(start, end), initial_eval_acc=initial_acc, final_eval_acc=final_acc,
+                history=history, draft_dir=draft_dir, resumed_from=ckpt, draft=final)
+
+
+def _prune_checkpoints(out: str, keep: int) -> None:
+    import shutil
+
+    paths = sorted(glob.glob(os.path.join(out, "checkpoints", "step_*")))
+    for p in paths[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,177 @@
+"""The draft unrolled on its own outputs ("training-time test", EAGLE-3), and the losses.
+
+For a training sequence x_0 .. x_{T-1} with target features f_j and the target's top-1
+tokens y_j (the target's prediction of x_{j+1}), unroll step s = 0 .. k-1 treats row j as
+the draft's s-th step after a prefix that ended at position j:
+
+* input token x_{j+s+1}, rotary position j + s;
+* input hidden: project(f_j) at s = 0, else row j's ``hidden_out`` of step s - 1;
+* attention: the step-0 keys of rows 0..j (the prefix, computed from target features, as
+  the KV cache holds it at inference) plus row j's own keys of steps 1..s (the earlier
+  draft steps of this proposal); exactly what the cache of ``draft_decode_step`` holds;
+* label: y_{j+s+1} (predicting x_{j+s+2}); valid while j + s + 1 < T.
+
+``unrolled_forward`` runs the draft's own ``forward`` with this attention plugged in,
+so the layers are the inference code. At s = 0 it equals the draft's ``__call__`` over a
+fresh cache (tested), and step s at row j equals s decode steps after an extend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from eagle_jax.models.layers import Attention, apply_rope
+
+Array = jax.Array
+
+
+def _qkv(attn: Attention, x: Array, positions: Array, inv_freq: Array):
+    b, t, _ = x.shape
+    q = attn.q_proj(x).reshape(b, t, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def ttt_attention(q: Array, keys: list[Array], values: list[Array]) -> Array:
+    """q [B, T, N, D]; keys/values: per unroll step [B, T, K, D].
+
+    Row j attends causally to step 0's rows 0..j and to its own row of steps 1..s.
+    Returns [B, T, N, D] in q's dtype.
+    """
+    b, t, n, d = q.shape
+    kh = keys[0].shape[2]
+    qg = q.reshape(b, t, kh, n // kh, d)
+    scale = 1.0 / math.sqrt(d)
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, keys[0], preferred_element_type=jnp.float32)
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(query), T(key)]
+    s0 = jnp.where(causal, s0 * scale, -jnp.inf)
+    diag = [jnp.einsum("btkgd,btkd->bkgt", qg, k, preferred_element_type=jnp.float32)[..., None]
+            * scale for k in keys[1:]]
+    probs = jax.nn.softmax(jnp.concatenate([s0] + diag, axis=-1), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., :t].astype(values[0].dtype), values[0],
+                     preferred_element_type=jnp.float32)
+    for i, v in enumerate(values[1:]):
+        p = probs[..., t + i]  # [B, K, G, T]
+        out = out + jnp.einsum("bkgt,btkd->btkgd", p.astype(v.dtype), v,
+                               preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, d).astype(q.dtype)
+
+
+def shift_left(x: Array, s: int, fill=0) -> Array:
+    """x [B, T, ...] -> x[:, s:] padded with ``fill`` to length T."""
+    if s == 0:
+        return x
+    pad = jnp.full((x.shape[0], s) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([x[:, s:], pad], axis=1)
+
+
+def unrolled_forward(draft, tokens: Array, features: Array, steps: int) -> list[Array]:
+    """tokens [B, T] (x_0..x_{T-1}), features [B, T, F] -> hidden_out [B, T, H] per step.
+
+    Step s, row j: token x_{j+s+1} at position j + s (see the module docstring).
+    """
+    b, t = tokens.shape
+    inv_freq = draft.inv_freq
+    base = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    kv: list[tuple[list[Array], list[Array]]] = [([], []) for _ in range(draft.config.num_layers)]
+    hidden = draft.project(features)
+    outs = []
+    for s in range(steps):
+        positions = base + s
+
+        def attend(i, attn, x, carry, positions=positions):
+            q, k, v = _qkv(attn, x, positions, inv_freq)
+            ks, vs = carry[i]
+            ks.append(k)
+            vs.append(v)
+            out = ttt_attention(q, ks, vs)
+            return attn.o_proj(out.reshape(b, t, -1)), carry
+
+        hidden, kv = draft.forward(shift_left(tokens, s + 1), hidden, attend, kv)
+        outs.append(hidden)
+    return outs
+
+
+def step_labels(top: Array, steps: int) -> tuple[list[Array], list[Array]]:
+    """The target's top-1 token each step predicts, and where it exists.
+
+    top [B, T] (top[j] = the target's prediction of x_{j+1}) -> per step s: labels
+    [B, T] = top[j + s + 1] and valid [B, T] = j + s + 1 < T.
+    """
+    t = top.shape[1]
+    j = jnp.arange(t)[None, :]
+    labels = [shift_left(top, s + 1) for s in range(steps)]
+    valid = [jnp.broadcast_to(j + s + 1 < t, top.shape) for s in range(steps)]
+    return labels, valid
+
+
+def eagle3_loss(draft, batch: dict, steps: int, t2d_ids: Array, decay: float = 0.8):
+    """Training-time-test loss: sum_s decay^s * CE(draft logits at step s, target top-1).
+
+    t2d_ids [V] maps target ids to draft ids (-1: not in the draft vocabulary; those
+    positions are masked). Returns (loss, per-step CE [steps]).
+    """
+    outs = unrolled_forward(draft, batch["tokens"], batch["features"], steps)
+    labels, valid = step_labels(batch["top"], steps)
+    total, per_step = 0.0, []
+    for s, h in enumerate(outs):
+        dl = jnp.take(t2d_ids, labels[s])
+        mask = (valid[s] & (dl >= 0)).astype(jnp.float32)
+        logp = jax.nn.log_softmax(draft.logits(h), axis=-1)
+        nll = -jnp.take_along_axis(logp, jnp.maximum(dl, 0)[..., None], axis=-1)[..., 0]
+        ce = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        per_step.append(ce)
+        total = total + (decay ** s) * ce
+    return total, jnp.stack(per_step)
+
+
+def smooth_l1(x: Array, y: Array) -> Array:
+    d = jnp.abs(x - y)
+    return jnp.where(d < 1.0, 0.5 * d * d, d - 0.5)
+
+
+def eagle1_loss(draft, batch: dict, *, v_weight: float = 1.0, p_weight: float = 0.1,
+                noise_key: Array | None = None, noise_std: float = 0.0):
+    """EAGLE-1: smooth-L1 regression of the target's next hidden state + cross-entropy
+    against the target's next-token distribution (softmax of its LM head on that hidden
+    state), at step 0 (teacher forcing) as in the published recipe. Optional uniform
+    feature noise (EAGLE-1's augmentation). Returns (loss, [vloss, ploss])."""
+    feats = batch["features"]
+    if noise_key is not None and noise_std > 0:
+        feats = feats + jax.random.uniform(noise_key, feats.shape, jnp.float32,
+                                           -noise_std, noise_std).astype(feats.dtype)
+    pred = unrolled_forward(draft, batch["tokens"], feats, 1)[0].astype(jnp.float32)
+    t = pred.shape[1]
+    target_h = shift_left(batch["features"], 1).astype(jnp.float32)
+    mask = (jnp.arange(t) < t - 1).astype(jnp.float32)[None, :]
+    vloss = jnp.sum(jnp.mean(smooth_l1(pred, target_h), -1) * mask) / (
+        jnp.sum(mask) * pred.shape[0])
+    target_p = jax.nn.softmax(draft.logits(target_h), axis=-1)
+    logp = jax.nn.log_softmax(draft.logits(pred), axis=-1)
+    ploss = jnp.sum(-jnp.sum(target_p * logp, -1) * mask) / (jnp.sum(mask) * pred.shape[0])
+    return v_weight * vloss + p_weight * ploss, jnp.stack([vloss, ploss])
+
+
+def step_accuracy(draft, batch: dict, steps: int) -> tuple[Array, Array]:
+    """Top-1 agreement with the target per unroll step: (correct [steps], valid [steps]).
+
+    The draft's argmax (mapped to target ids through d2t) is compared with the target's
+    top-1 token; a target token outside the draft vocabulary counts as a miss.
+    """
+    outs = unrolled_forward(draft, batch["tokens"], batch["features"], steps)
+    labels, valid = step_labels(batch["top"], steps)
+    d2t = draft.d2t
+    correct, count = [], []
+    for s, h in enumerate(outs):
+        pred = jnp.argmax(draft.logits(h), axis=-1).astype(jnp.int32)
+        if d2t is not None:
+            pred = pred + jnp.take(d2t, pred)
+        correct.append(jnp.sum((pred == labels[s]) & valid[s]))
+        count.append(jnp.sum(valid[s]))
+    return jnp.stack(correct), jnp.stack(count)

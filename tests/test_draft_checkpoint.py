@@ -1,0 +1,256 @@
+"""Draft checkpoints: the published EAGLE-1 / EAGLE-3 layouts, round trips, detection,
+and errors that name the file and the value."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle_jax.checkpoint import CheckpointError, CheckpointReader, save_safetensors
+from eagle_jax.models import draft_ops
+from eagle_jax.models.decoder import load_decoder
+from eagle_jax.models.draft import Eagle1Draft, Eagle3Draft
+from eagle_jax.models.draft_checkpoint import load_draft, save_draft
+from eagle_jax.testutil.drafts import write_tiny_eagle1_draft, write_tiny_eagle3_draft
+from eagle_jax.testutil.models import write_tiny_target
+
+EAGLE3_NAMES = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight",
+    "lm_head.weight", "d2t", "t2d",
+}
+EAGLE1_NAMES = {
+    "fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight", "layers.0.post_attention_layernorm.weight",
+    "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight", "embed_tokens.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return write_tiny_target(str(tmp_path_factory.mktemp("ckpt") / "target"),
+                             max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_decoder(target_dir)
+
+
+def _tensors(path):
+    r = CheckpointReader(path)
+    return {n: np.array(r.get(n)) for n in r.keys()}
+
+
+def _cfg(path):
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def _write_cfg(path, cfg):
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def _prefill_logits(draft, target):
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 256, (2, 5)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    out = target(tokens, pos, target.init_cache(2, 16), aux_layers=draft.feature_layers or ())
+    feats = out.aux_hidden if draft.kind == "EAGLE3" else out.hidden
+    res = draft_ops.draft_prefill_extend(draft, tokens, jnp.asarray([1, 2]), jnp.asarray([5, 3]),
+                                         feats, pos, draft.init_cache(2, 16))
+    return np.asarray(res.logits)
+
+
+def test_published_eagle3_layout_loads(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir, draft_vocab_size=100)
+    t = _tensors(d)
+    assert set(t) == EAGLE3_NAMES
+    assert t["d2t"].dtype == np.int64 and t["t2d"].dtype == np.bool_ and t["t2d"].shape == (256,)
+    assert t["fc.weight"].shape == (64, 192) and t["lm_head.weight"].shape == (100, 64)
+    draft = load_draft(d, target)
+    assert isinstance(draft, Eagle3Draft) and draft.draft_vocab_size == 100
+    np.testing.assert_array_equal(draft.d2t, t["d2t"])
+    ids = np.arange(100) + np.asarray(draft.d2t)
+    assert t["t2d"][ids].all() and t["t2d"].sum() == 100
+    assert draft.embed_weight is target.embed_tokens.weight.get_value()  # shared, no copy
+
+
+def test_published_eagle1_layout_loads(tmp_path, target_dir, target):
+    d = write_tiny_eagle1_draft(str(tmp_path / "e1"), target_dir)
+    assert set(_tensors(d)) == EAGLE1_NAMES
+    assert _cfg(d)["architectures"] == ["LlamaForCausalLM"]  # as the originals say
+    draft = load_draft(d, target)
+    assert isinstance(draft, Eagle1Draft)
+    assert draft.lm_head_weight() is target.lm_head.weight.get_value()
+
+
+@pytest.mark.parametrize("kind", ["EAGLE3", "EAGLE"])
+def test_save_load_round_trip(tmp_path, target_dir, target, kind):
+    if kind == "EAGLE3":
+        src = write_tiny_eagle3_draft(str(tmp_path / "src"), target_dir, draft_vocab_size=100,
+                                      aux_layer_ids=[0, 1, 2], max_position_embeddings=64)
+    else:
+        src = write_tiny_eagle1_draft(str(tmp_path / "src"), target_dir, with_embed=False)
+    draft = load_draft(src, target)
+    out = str(tmp_path / "out")
+    save_draft(draft, out)
+    assert set(_tensors(out)) == set(_tensors(src))
+    for name, arr in _tensors(src).items():
+        np.testing.assert_array_equal(_tensors(out)[name], arr, err_msg=name)
+    again = load_draft(out, target)
+    assert type(again) is type(draft)
+    np.testing.assert_allclose(_prefill_logits(again, target), _prefill_logits(draft, target))
+    cfg = _cfg(out)
+    if kind == "EAGLE3":
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert cfg["draft_vocab_size"] == 100 and cfg["target_hidden_size"] == 64
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+        assert again.feature_layers == (1, 2, 3) and again.max_positions == 64
+    else:
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle"]
+        assert again.embed_tokens is None
+
+
+def test_bf16_save_and_load(tmp_path, target_dir, target):
+    src = write_tiny_eagle3_draft(str(tmp_path / "src"), target_dir, draft_vocab_size=100)
+    draft = load_draft(src, target, dtype="bfloat16")
+    assert draft.fc.weight.dtype == jnp.bfloat16
+    save_draft(draft, str(tmp_path / "bf16"), dtype="bfloat16")
+    r = CheckpointReader(str(tmp_path / "bf16"))
+    assert r._files["model.safetensors"].header["fc.weight"]["dtype"] == "BF16"
+    assert r._files["model.safetensors"].header["d2t"]["dtype"] == "I64"
+    assert load_draft(str(tmp_path / "bf16"), target).fc.weight.dtype == jnp.float32
+
+
+def test_full_vocab_draft_without_lm_head_shares_target_head(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir, with_lm_head=False)
+    draft = load_draft(d, target)
+    assert draft.lm_head is None and draft.d2t is None
+    assert draft.lm_head_weight() is target.lm_head.weight.get_value()
+    save_draft(draft, str(tmp_path / "saved"))  # published layout: lm_head written out
+    assert "lm_head.weight" in _tensors(str(tmp_path / "saved"))
+
+
+def test_own_embedding_is_used(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir, with_embed=True)
+    draft = load_draft(d, target)
+    assert draft.embed_tokens is not None
+    assert draft.embed_weight is not target.embed_tokens.weight.get_value()
+    np.testing.assert_array_equal(draft.embed_weight, target.embed_tokens.weight[...])
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "SomethingElse"])
+def test_kind_detected_from_tensors(tmp_path, target_dir, target, arch):
+    e3 = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir, architecture=arch)
+    assert isinstance(load_draft(e3, target), Eagle3Draft)
+    e1 = write_tiny_eagle1_draft(str(tmp_path / "e1"), target_dir, architecture=arch)
+    assert isinstance(load_draft(e1, target), Eagle1Draft)
+
+
+def test_model_prefix_accepted(tmp_path, target_dir, target):
+    src = write_tiny_eagle1_draft(str(tmp_path / "src"), target_dir)
+    dst = tmp_path / "prefixed"
+    dst.mkdir()
+    shutil.copy(os.path.join(src, "config.json"), dst / "config.json")
+    save_safetensors(str(dst / "model.safetensors"),
+                     {f"model.{k}": v for k, v in _tensors(src).items()})
+    np.testing.assert_allclose(_prefill_logits(load_draft(str(dst), target), target),
+                               _prefill_logits(load_draft(src, target), target))
+
+
+def test_not_a_draft_is_an_error(tmp_path, target_dir, target):
+    with pytest.raises(CheckpointError, match="not an EAGLE draft"):
+        load_draft(target_dir, target)
+
+
+def test_target_hidden_size_mismatch(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir)
+    cfg = _cfg(d)
+    cfg["target_hidden_size"] = 128
+    _write_cfg(d, cfg)
+    with pytest.raises(ValueError, match=r"config.json: target_hidden_size 128 .* hidden_size 64"):
+        load_draft(d, target)
+
+
+def test_eagle1_hidden_size_mismatch(tmp_path, target_dir, target):
+    d = write_tiny_eagle1_draft(str(tmp_path / "e1"), target_dir)
+    cfg = _cfg(d)
+    cfg["hidden_size"] = 32
+    _write_cfg(d, cfg)
+    with pytest.raises(ValueError, match=r"config.json: EAGLE-1 draft hidden_size 32"):
+        load_draft(d, target)
+
+
+def test_vocab_mismatch(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir)
+    cfg = _cfg(d)
+    cfg["vocab_size"] = 300
+    _write_cfg(d, cfg)
+    with pytest.raises(ValueError, match=r"config.json: vocab_size 300 != .* 256"):
+        load_draft(d, target)
+
+
+def test_aux_layer_ids_out_of_range(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir, aux_layer_ids=[0, 1, 3])
+    with pytest.raises(ValueError, match=r"config.json: .*eagle_aux_hidden_state_layer_ids "
+                                         r"\[0, 1, 3\] out of range.*4 layers"):
+        load_draft(d, target)
+
+
+def test_d2t_outside_target_vocab(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir, draft_vocab_size=100)
+    t = _tensors(d)
+    t["d2t"][-1] = 500
+    save_safetensors(os.path.join(d, "model.safetensors"), t)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: d2t maps draft id 99 to "
+                                              r"target id 599, outside .*\[0, 256\)"):
+        load_draft(d, target)
+
+
+def test_t2d_disagreeing_with_d2t(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir, draft_vocab_size=100)
+    t = _tensors(d)
+    t["t2d"][:] = False
+    save_safetensors(os.path.join(d, "model.safetensors"), t)
+    with pytest.raises(CheckpointError, match="t2d .* disagrees with d2t"):
+        load_draft(d, target)
+
+
+def test_reduced_vocab_without_d2t(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir, draft_vocab_size=100)
+    t = _tensors(d)
+    del t["d2t"], t["t2d"]
+    save_safetensors(os.path.join(d, "model.safetensors"), t)
+    with pytest.raises(CheckpointError, match="no 'd2t'"):
+        load_draft(d, target)
+
+
+def test_wrong_tensor_shape_names_file_tensor_shape(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir)
+    t = _tensors(d)
+    t["fc.weight"] = t["fc.weight"][:, :128]
+    save_safetensors(os.path.join(d, "model.safetensors"), t)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'fc.weight' has shape "
+                                              r"\(64, 128\); expected shape \(64, 192\)"):
+        load_draft(d, target)
+
+
+def test_missing_tensor(tmp_path, target_dir, target):
+    d = write_tiny_eagle1_draft(str(tmp_path / "e1"), target_dir)
+    t = _tensors(d)
+    del t["layers.0.mlp.up_proj.weight"]
+    save_safetensors(os.path.join(d, "model.safetensors"), t)
+    with pytest.raises(CheckpointError, match="lacks tensor 'layers.0.mlp.up_proj.weight'"):
+        load_draft(d, target)

@@ -1,0 +1,228 @@
+"""Draft training: data pipeline, the unrolled (training-time-test) forward against the
+inference path, learning on a tiny target, and resuming."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from eagle_jax.models import draft_ops
+from eagle_jax.models.decoder import load_decoder, save_decoder
+from eagle_jax.models.draft_checkpoint import load_draft
+from eagle_jax.testutil.drafts import write_tiny_eagle1_draft, write_tiny_eagle3_draft
+from eagle_jax.testutil.models import write_tiny_target
+from eagle_jax.train import TrainConfig, train
+from eagle_jax.train import data as data_lib
+from eagle_jax.train import unroll
+
+V, SEQ = 256, 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def markov(rng, perm, n, t, follow=0.75):
+    """Sequences where x_{j+1} = perm[x_j] with probability ``follow``, else uniform."""
+    x = np.zeros((n, t), np.int32)
+    x[:, 0] = rng.integers(0, V, n)
+    for j in range(1, t):
+        x[:, j] = np.where(rng.random(n) < follow, perm[x[:, j - 1]], rng.integers(0, V, n))
+    return x
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target trained briefly (30 Adam steps) on a Markov corpus, so that its next
+    token is a learnable function (a random transformer's argmax is chaotic), plus a JSONL
+    corpus of fresh sequences from the same chain."""
+    root = tmp_path_factory.mktemp("train")
+    target_dir = write_tiny_target(str(root / "target"), init_std=0.02)
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(V)
+    model = load_decoder(target_dir)
+    graphdef, params = nnx.split(model)
+    tx = optax.adam(1e-2)
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(params, opt, x):
+        def loss_fn(p):
+            m = nnx.merge(graphdef, p)
+            pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
+            logits = m(x, pos, m.init_cache(*x.shape)).logits[:, :-1]
+            lp = jax.nn.log_softmax(logits, -1)
+            return -jnp.mean(jnp.take_along_axis(lp, x[:, 1:, None], -1))
+        grads = jax.grad(loss_fn)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    for _ in range(30):
+        params, opt = step(params, opt, jnp.asarray(markov(rng, perm, 16, SEQ)))
+    with open(os.path.join(target_dir, "config.json")) as f:
+        hf = json.load(f)
+    save_decoder(nnx.merge(graphdef, params), target_dir, hf)
+    corpus = str(root / "corpus.jsonl")
+    with open(corpus, "w") as f:
+        for row in markov(np.random.default_rng(1), perm, 200, SEQ):
+            f.write(json.dumps({"input_ids": row.tolist()}) + "\n")
+    return dict(root=root, target=target_dir, corpus=corpus)
+
+
+# ------------------------------------------------------------------------ data
+
+
+def test_build_vocab_map_and_inverse():
+    counts = np.array([5, 0, 9, 9, 1, 0, 7])
+    d2t = data_lib.build_vocab_map(counts, 4)
+    ids = np.arange(4) + d2t
+    np.testing.assert_array_equal(ids, [0, 2, 3, 6])  # the 4 most frequent, sorted
+    t2d = data_lib.target_to_draft(d2t, 7)
+    np.testing.assert_array_equal(t2d, [0, -1, 1, 2, -1, -1, 3])
+    with pytest.raises(ValueError):
+        data_lib.build_vocab_map(counts, 8)
+
+
+def test_text_corpus_tokenised_and_chunked(tmp_path):
+    from eagle_jax.testutil.tokenizer import write_test_tokenizer
+    from eagle_jax.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(write_test_tokenizer(str(tmp_path / "tok")))
+    docs_dir = tmp_path / "docs"
+    docs_dir.mkdir()
+    texts = ["The quick brown fox jumps over the lazy dog. " * 3, "Once upon a time. " * 4]
+    for i, t in enumerate(texts):
+        (docs_dir / f"{i}.txt").write_text(t)
+    (docs_dir / "more.jsonl").write_text(json.dumps({"prompt": "Hi ", "response": "there"}) + "\n")
+    docs = list(data_lib.read_corpus(str(docs_dir)))
+    assert docs == texts + ["Hi there"]
+    seqs = list(data_lib.chunk_sequences(docs, 8, tok, vocab_size=tok.vocab_size))
+    flat = sum((tok.encode(d) for d in docs), [])
+    assert len(seqs) == len(flat) // 8
+    np.testing.assert_array_equal(np.concatenate(seqs), flat[: len(seqs) * 8])
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        list(data_lib.chunk_sequences(docs, 8, tok, vocab_size=10))
+
+
+# -------------------------------------------------------- unrolled forward semantics
+
+
+@pytest.mark.parametrize("kind", ["EAGLE3", "EAGLE"])
+def test_unrolled_forward_equals_extend_then_decode(setup, kind):
+    """Step s, row j of the training unroll == an extend over rows 0..j (target features)
+    followed by s draft decode steps, exactly what inference computes."""
+    target = load_decoder(setup["target"])
+    ddir = str(setup["root"] / f"unroll_{kind}")
+    if kind == "EAGLE3":
+        write_tiny_eagle3_draft(ddir, setup["target"], draft_vocab_size=128, seed=5)
+    else:
+        write_tiny_eagle1_draft(ddir, setup["target"], seed=5)
+    draft = load_draft(ddir, target, use_kernels=False)
+    t, steps = 12, 3
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, V, (1, t)), jnp.int32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    out = target(tokens, pos, target.init_cache(1, t), aux_layers=draft.feature_layers or ())
+    feats = out.aux_hidden if kind == "EAGLE3" else out.hidden
+    unrolled = unroll.unrolled_forward(draft, tokens, feats, steps)
+
+    @jax.jit
+    def extend(j):  # rows 0..j at their positions, the rest padding (KV writes dropped)
+        rows_pos = jnp.where(pos <= j, pos, 10**6)
+        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)
+        return draft_ops.draft_extend(draft, shifted, feats, rows_pos, jnp.reshape(j, (1,)),
+                                      draft.init_cache(1, 32))
+
+    decode = jax.jit(lambda tok, h, p, cache: draft_ops.draft_decode_step(draft, tok, h, p, cache))
+    for j in (0, 4, 8):
+        res = extend(jnp.int32(j))
+        np.testing.assert_allclose(res.hidden[0], unrolled[0][0, j], rtol=1e-4, atol=1e-4)
+        h, cache = res.hidden, res.cache
+        for s in range(1, steps):
+            _, h, cache = decode(tokens[:, j + s + 1], h, jnp.asarray([j + s]), cache)
+            np.testing.assert_allclose(h[0], unrolled[s][0, j], rtol=1e-4, atol=1e-4)
+
+
+def test_step_labels():
+    top = jnp.arange(6)[None]
+    labels, valid = unroll.step_labels(top, 2)
+    np.testing.assert_array_equal(labels[0][0, :5], [1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(valid[1][0], [True, True, True, True, False, False])
+
+
+# ------------------------------------------------------------------------ training
+
+
+def test_eagle3_training_raises_heldout_accuracy(setup):
+    out = str(setup["root"] / "run_e3")
+    summary = train(TrainConfig(
+        target=setup["target"], corpus=setup["corpus"], out=out, algorithm="EAGLE3",
+        steps=150, batch_size=8, seq_len=SEQ, lr=3e-3, warmup=20, draft_vocab_size=200,
+        ttt_steps=3, eval_every=150, save_every=0, eval_fraction=0.1, collect_batch_size=20,
+        progress=False))
+    before, after = summary["initial_eval_acc"], summary["final_eval_acc"]
+    assert len(before) == len(after) == 3
+    assert max(before) < 0.05, before
+    assert min(after) > 0.5, after  # every unroll step, not only the first
+    # the final draft is in the published layout and serves the target
+    target = load_decoder(setup["target"])
+    draft = load_draft(summary["draft_dir"], target)
+    assert draft.draft_vocab_size == 200 and draft.d2t.shape == (200,)
+    counts = np.load(os.path.join(out, "data", "top_counts.npy"))
+    ids = np.arange(200) + np.asarray(draft.d2t)
+    assert counts[ids].sum() == np.sort(counts)[::-1][:200].sum()  # the most frequent ids
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location(
+        "train_draft_script", os.path.join(ROOT, "scripts", "train_draft.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_eagle1_training_via_script(setup, capsys):
+    out = str(setup["root"] / "run_e1")
+    script = _load_script()
+    rc = script.main([
+        "--target", setup["target"], "--corpus", setup["corpus"], "--out", out,
+        "--algorithm", "EAGLE", "--steps", "100", "--batch-size", "8", "--seq-len", str(SEQ),
+        "--lr", "3e-3", "--warmup", "20", "--ttt-steps", "2", "--eval-every", "100",
+        "--save-every", "0", "--eval-fraction", "0.1", "--collect-batch-size", "20",
+        "--no-progress"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    summary = json.loads(stdout[stdout.rindex("{\n"):])
+    assert summary["step"] == 100 and summary["draft_dir"] == os.path.join(out, "draft")
+    lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    evals = [l["eval_acc"] for l in lines if "eval_acc" in l]
+    assert evals[0][0] < 0.05 and evals[-1][0] > 0.5, evals
+    draft = load_draft(os.path.join(out, "draft"), load_decoder(setup["target"]))
+    assert draft.kind == "EAGLE"
+
+
+def test_resume_continues_from_saved_step(setup):
+    data_dir = str(setup["root"] / "resume_data")
+    common = dict(target=setup["target"], corpus=setup["corpus"], algorithm="EAGLE3",
+                  steps=12, batch_size=4, seq_len=SEQ, lr=3e-3, warmup=3, draft_vocab_size=200,
+                  ttt_steps=1, eval_every=0, save_every=6, data_dir=data_dir,
+                  collect_batch_size=20, max_sequences=40, progress=False)
+    whole = train(TrainConfig(out=str(setup["root"] / "whole"), **common))
+    first = train(TrainConfig(out=str(setup["root"] / "parts"), stop_after=6, **common))
+    assert first["step"] == 6
+    ckpts = sorted(os.listdir(setup["root"] / "parts" / "checkpoints"))
+    assert ckpts == ["step_0000006"]
+    second = train(TrainConfig(out=str(setup["root"] / "parts"), resume=True, **common))
+    assert second["resumed_from"].endswith("step_0000006") and second["step"] == 12
+    logged = [json.loads(l)["step"] for l in open(setup["root"] / "parts" / "metrics.jsonl")]
+    assert logged == [6, 10, 12]  # the stop step, then log_every=10 and the end
+    a, b = nnx.state(whole["draft"], nnx.Param), nnx.state(second["draft"], nnx.Param)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    # a resumed run's optimizer state continued too: one more segment changes nothing
+    third = train(TrainConfig(out=str(setup["root"] / "parts"), resume=True, **common))
+    assert third["resumed_from"].endswith("step_0000012") and third["step"] == 12
