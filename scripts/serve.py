@@ -4,8 +4,8 @@
     python scripts/serve.py --model TARGET_DIR --draft-model DRAFT_DIR \
         [--speculative-algorithm EAGLE3] [--num-steps 5] [--port 8000] ...
 
-Without --model it serves the project's embedded default model
-(eagle_jax/assets/default, its draft in eagle_jax/assets/default/draft).
+Without --model it serves the project's embedded default model and its EAGLE-3 draft
+(eagle_jax/assets/default/{target,draft}).
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
 /tokenize, /detokenize, /tokenizer_info.
 """
@@ -20,8 +20,6 @@ import sys
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
-
-DEFAULT_MODEL_DIR = os.path.join(_REPO, "eagle_jax", "assets", "default")
 
 
 def _positive_int(s: str) -> int:
@@ -55,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the engine's)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="or this share of the free device memory (GPU)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-precompile", action="store_true",
                    help="compile batch buckets lazily instead of at start-up")
@@ -94,19 +94,15 @@ def main(argv: list[str] | None = None) -> int:
 
     model, draft = args.model, args.draft_model
     if model is None:
-        if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
-            print(
-                f"error: no --model given and the embedded default model is not shipped yet "
-                f"({DEFAULT_MODEL_DIR} has no config.json); pass --model TARGET_DIR and "
-                "--draft-model DRAFT_DIR",
-                file=sys.stderr,
-            )
+        from eagle_jax.assets import default_pair
+
+        try:
+            model, default_draft = default_pair()
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
-        model = DEFAULT_MODEL_DIR
-        if draft is None:
-            cand = os.path.join(DEFAULT_MODEL_DIR, "draft")
-            if os.path.isfile(os.path.join(cand, "config.json")):
-                draft = cand
+        if draft is None and args.speculative_algorithm != "NONE":
+            draft = default_draft
     if not os.path.isdir(model):
         print(f"error: --model {model!r} is not a directory", file=sys.stderr)
         return 2
@@ -133,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_buckets=_buckets(args.batch_buckets, args.max_num_seqs),
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         seed=args.seed,
         precompile=not args.no_precompile,
         **extra,

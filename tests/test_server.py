@@ -766,7 +766,7 @@ def test_default_model_not_shipped(tmp_path):
     import subprocess
     import sys
 
-    default = os.path.join(REPO, "eagle_jax", "assets", "default", "config.json")
+    default = os.path.join(REPO, "eagle_jax", "assets", "default", "target", "config.json")
     if os.path.exists(default):
         pytest.skip("the embedded default model is shipped")
     r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "serve.py")],

@@ -221,9 +221,16 @@ class Engine:
 
     # ------------------------------------------------------------ compilation
     def _step_fn(self, batch: int, with_logprobs: bool):
+        """The step executable of a batch bucket, compiled on first use."""
         key = ("step", batch, with_logprobs)
-        if key in self._compiled:
-            return self._compiled[key]
+        if key not in self._compiled:
+            self._compiled[key] = self.step_function(batch, with_logprobs).lower(
+                self._target_params, self._draft_params, self.state).compile()
+        return self._compiled[key]
+
+    def step_function(self, batch: int, with_logprobs: bool = False):
+        """The jitted (not yet compiled) step of a batch bucket:
+        ``(target_params, draft_params, state) -> (state, StepOutput)``, state donated."""
         tg, dg, cfg = self._target_graph, self._draft_graph, self.config
 
         def run(target_params, draft_params, state):
@@ -239,10 +246,7 @@ class Engine:
                 draft_probs_hook=self._draft_probs_hook,
                 synthetic_acceptance=cfg.synthetic_acceptance)
 
-        fn = jax.jit(run, donate_argnums=(2,)).lower(
-            self._target_params, self._draft_params, self.state).compile()
-        self._compiled[key] = fn
-        return fn
+        return jax.jit(run, donate_argnums=(2,))
 
     def _prefill_fn(self, chunk: int):
         key = ("prefill", chunk)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from eagle_jax.engine.config import EngineConfig
@@ -44,7 +45,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[CompletionOutput]:
         """Runs every prompt to completion with continuous batching; outputs in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):

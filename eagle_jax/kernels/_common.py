@@ -6,6 +6,8 @@ compiles for CUDA and ROCm, and runs in Pallas interpret mode on a CPU (tests, C
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
 # The custom-call target the Pallas Triton lowering emits, on CUDA and ROCm alike.
@@ -18,9 +20,29 @@ TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 _KERNEL_BACKENDS = ("cpu", "gpu", "cuda", "rocm")
 
 
+# Set by ``compiled_kernels()``: every kernel whose caller left ``interpret`` automatic
+# takes the compiled Triton path, so a whole model step can be lowered for a GPU on a CPU.
+_FORCE_COMPILED = False
+
+
+@contextlib.contextmanager
+def compiled_kernels():
+  """Within this block, kernels called with ``interpret=None`` lower to Triton.
+
+  For exporting the engine step for ``platforms=["rocm"]`` / ``["cuda"]`` from a CPU
+  machine (the kernels deep inside the step are called with ``interpret=None``).
+  """
+  global _FORCE_COMPILED
+  previous, _FORCE_COMPILED = _FORCE_COMPILED, True
+  try:
+    yield
+  finally:
+    _FORCE_COMPILED = previous
+
+
 def default_interpret() -> bool:
   """True on a CPU-only process: Pallas then runs the kernel body in interpret mode."""
-  return jax.default_backend() == "cpu"
+  return jax.default_backend() == "cpu" and not _FORCE_COMPILED
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
