@@ -22,7 +22,8 @@ CLI: ``scripts/train_target.py``. The corpus directory is ``scripts/build_corpus
   from the start of ``train_target``), then evaluates and saves. With
   ``fit_steps_to_budget`` the step time is measured over steps 5..25 (still in warm-up,
   where the schedule does not depend on the total) and the total is set so that the cosine
-  ends at the budget (never above ``steps``).
+  ends at the budget (never above ``steps``). With ``export_best``, a run whose final
+  held-out loss is above that of an earlier evaluation exports the earlier parameters.
 
 Run directory (``out``)::
 
@@ -89,6 +90,7 @@ class TargetTrainConfig:
     stop_after: int | None = None  # end this invocation at that step (continue with resume)
     time_budget_s: float | None = None
     fit_steps_to_budget: bool = False
+    export_best: bool = False  # export the evaluated parameters with the lowest held-out loss
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -324,6 +326,9 @@ def train_target(cfg: TargetTrainConfig) -> dict:
 
     start, total, prev_wall, records, resumed_from = 0, cfg.steps, 0.0, [], None
     ckpt = latest_checkpoint(out) if cfg.resume else None
+    if not cfg.resume and latest_checkpoint(out) is not None:
+        raise ValueError(f"{out}/ckpt holds checkpoints of an earlier run: pass --resume to "
+                         "continue it, or use a fresh --out")
     if ckpt is not None:
         params, opt_state, meta = load_state(ckpt, params, opt_state)
         if meta.get("hf_config", {}).get("hidden_size") != hf["hidden_size"] or \
@@ -355,7 +360,8 @@ def train_target(cfg: TargetTrainConfig) -> dict:
 
     def train_step(params, opt_state, tokens, step, total_steps):
         loss, grads = jax.value_and_grad(lambda p: jnp.mean(token_nll(p, tokens)))(params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                                 for g in jax.tree_util.tree_leaves(grads)))
         updates, opt_state = tx.update(grads, opt_state, params)
         lr = lr_at(step, total_steps, cfg)
         updates = jax.tree.map(lambda u: -lr * u, updates)
@@ -415,6 +421,7 @@ def train_target(cfg: TargetTrainConfig) -> dict:
     step_time = None  # seconds per step (measured)
     last_print = 0.0
     stopped_by_budget = False
+    best = None  # (held-out loss, step, host params) with export_best
     while step < (total if cfg.stop_after is None else min(total, cfg.stop_after)):
         if cfg.time_budget_s is not None and step_time is not None and \
                 time.time() - t_begin + step_time > cfg.time_budget_s:
@@ -440,7 +447,8 @@ def train_target(cfg: TargetTrainConfig) -> dict:
                 print(f"\nmeasured {rate * 1e3:.1f} ms/step = {tokens_per_step / rate:,.0f} "
                       f"tokens/s = {flops_per_token * tokens_per_step / rate / 1e12:.3g} "
                       f"TFLOP/s; total steps {total} -> {new_total} to fit "
-                      f"{cfg.time_budget_s:.0f} s", flush=True)
+                      f"{cfg.time_budget_s:.0f} s "
+                      f"({new_total * tokens_per_step / train_data.size:.1f} epochs)", flush=True)
                 total = new_total
                 bar.total = total
                 bar.refresh()
@@ -470,6 +478,8 @@ def train_target(cfg: TargetTrainConfig) -> dict:
                                     heldout_ppl=round(math.exp(min(hl, 50)), 3),
                                     wall_s=round(prev_wall + time.time() - t_begin, 2)))
                 bar.write(f"step {step}: held-out loss {hl:.4f} ppl {math.exp(min(hl, 50)):.2f}")
+                if cfg.export_best and (best is None or hl < best[0]):
+                    best = (hl, step, jax.device_get(params))
             write_log()
             last_t = time.time()  # evaluation time is not training throughput
         if cfg.save_every and step % cfg.save_every == 0 and step < total:
@@ -483,14 +493,21 @@ def train_target(cfg: TargetTrainConfig) -> dict:
                  heldout_loss=None if hl is None else round(hl, 5),
                  heldout_ppl=None if hl is None else round(math.exp(min(hl, 50)), 3),
                  train_loss=next((r["loss"] for r in reversed(records) if "loss" in r), None),
-                 tokens_seen=step * tokens_per_step)
+                 tokens_seen=step * tokens_per_step,
+                 epochs=round(step * tokens_per_step / train_data.size, 2))
     if hl is not None:
         records.append(dict(step=step, heldout_loss=final["heldout_loss"],
                             heldout_ppl=final["heldout_ppl"],
                             wall_s=round(prev_wall + time.time() - t_begin, 2)))
     if step > start or ckpt is None:
         checkpoint(step)
-    files = export_hf(params, graphdef, rest, hf, tok, cfg.corpus, export_dir,
+    export_params, final["exported_step"] = params, step
+    if best is not None and hl is not None and best[0] < hl:
+        export_params, final["exported_step"] = best[2], best[1]
+        final["exported_heldout_loss"] = round(best[0], 5)
+        print(f"held-out loss rose to {hl:.4f}: exporting step {best[1]} "
+              f"(held-out loss {best[0]:.4f})", flush=True)
+    files = export_hf(export_params, graphdef, rest, hf, tok, cfg.corpus, export_dir,
                       cfg.max_shard_bytes)
     tps = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > start + 2 *
            cfg.log_every]
@@ -519,8 +536,7 @@ def cast_checkpoint(src: str, dst: str, dtype: str = "bfloat16",
     tensors = {}
     for name in reader.keys():
         arr = np.asarray(reader.get(name))
-        tensors[name] = arr.astype(target) if np.issubdtype(arr.dtype, np.floating) or \
-            arr.dtype == target else arr
+        tensors[name] = arr.astype(target) if jnp.issubdtype(arr.dtype, jnp.floating) else arr
     os.makedirs(dst, exist_ok=True)
     for old in glob.glob(os.path.join(dst, "*.safetensors")):
         os.remove(old)
@@ -570,6 +586,8 @@ def plan_draft_steps(calib_out: str, data_dir: str, phase1_start: float, phase1_
       calibration's start to its first feature chunk on disk, else ``default_startup_s``)
       plus the calibration's time after feature collection (``data_dir/meta.json`` written)
       less its training steps (compilations, first evaluation, saves, exit).
+
+    ``steps`` is 0 when fewer than ``min_steps`` fit: keep the calibration run's draft.
     """
     recs = []
     with open(os.path.join(calib_out, "metrics.jsonl")) as f:
@@ -598,4 +616,4 @@ def plan_draft_steps(calib_out: str, data_dir: str, phase1_start: float, phase1_
     return dict(step_s=rate, calib_steps=k, startup_s=round(startup, 2),
                 collect_s=round(collect_s, 2), fixed_s=round(overhead, 2),
                 remaining_s=round(remaining_s, 2), fit_steps=steps,
-                steps=int(min(max(steps, min_steps), max_steps)))
+                steps=0 if steps < min_steps else int(min(steps, max_steps)))

@@ -192,9 +192,8 @@ def load_train_state(path: str, params, opt_state):
         leaves = []
         for p, leaf in flat:
             name, shape = prefix + jax.tree_util.keystr(p), np.shape(leaf)
-            # save_safetensors stores a 0-d array as [1] (np.ascontiguousarray is >= 1-d)
-            arr = reader.get(name, expected_shape=(1,) if shape == () else shape)
-            leaves.append(jnp.asarray(arr, dtype=jnp.asarray(leaf).dtype).reshape(shape))
+            arr = reader.get(name, expected_shape=shape)
+            leaves.append(jnp.asarray(arr, dtype=jnp.asarray(leaf).dtype))
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     with open(os.path.join(path, "meta.json")) as f:
