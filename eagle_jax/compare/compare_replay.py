@@ -408,6 +408,12 @@ def compare(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.dtype == "float32":
+        # GPUs run float32 matmuls in TF32 by default (~1e-3 relative), which would make
+        # the float32 tolerance below meaningless: compare at full float32 precision.
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")
     try:
         report = compare(args)
     except ModelsMissing as e:
