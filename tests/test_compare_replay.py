@@ -65,7 +65,7 @@ def test_perturbed_jitted_step_fails(pair, tmp_path, capsys):
 
 
 def test_torch_replay_mode_skips_without_gpu_or_reproduces_004():
-    torch = pytest.importorskip("torch")
+    import torch
     from eagle_jax.compare.torch_replay import run_torch_replay
 
     res = run_torch_replay(batch=4, num_steps=3, vocab_size=300, width=320, steps=4)
