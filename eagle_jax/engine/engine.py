@@ -59,6 +59,15 @@ def _enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def _threefry_key(seed: int) -> np.ndarray:
+    """A raw threefry2x32 key [2] u32 from the seed's 64 bits (high word, low word).
+
+    Built on the host: no device round trip, so admitting a request never waits for the
+    step in flight. (``jax.random.PRNGKey`` would also keep only the low 32 bits.)"""
+    seed &= (1 << 64) - 1
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
 def _split(module):
     """module -> ((graphdef, treedef), parameter leaves); (None, None) for no module."""
     if module is None:
@@ -369,7 +378,7 @@ class Engine:
             t, k, tp, mp = req.params.kernel_values()
             seed = req.params.seed if req.params.seed is not None else int(
                 self._rng.integers(0, 2**31 - 1))
-            key = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
+            key = _threefry_key(seed)
             self.state = self._assign(self.state, np.int32(slot), np.float32(t), np.int32(k),
                                       np.float32(tp), np.float32(mp), key)
             first = self._prefill(req)

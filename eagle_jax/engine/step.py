@@ -24,7 +24,7 @@ from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
 from eagle_jax.kernels.spec_sampler import speculative_sample
 from eagle_jax.models.layers import KVCache
-from eagle_jax.sampling import MAX_LOGPROBS
+from eagle_jax.sampling import MAX_LOGPROBS, TOP_K_ALL
 
 Array = jax.Array
 
@@ -311,8 +311,6 @@ def assign_slot(state: DecodeState, slot: Array, temperature: Array, top_k: Arra
 
 def release_slot(state: DecodeState, slot: Array) -> DecodeState:
     """Marks ``slot`` free: padded sampling values (TOP_K_ALL, T = 1), inactive."""
-    from eagle_jax.sampling import TOP_K_ALL
-
     return state._replace(
         temperature=state.temperature.at[slot].set(1.0),
         top_k=state.top_k.at[slot].set(TOP_K_ALL),
