@@ -32,7 +32,8 @@ Run directory (``out``)::
 
 The final model is exported to ``export_dir`` (default ``out``) as a Hugging Face
 checkpoint (bfloat16 safetensors shards of at most ``max_shard_bytes``, config.json,
-generation_config.json, the tokenizer files).
+generation_config.json, the tokenizer files). The optimizer, learning rate, mesh and
+checkpoint files are ``eagle_jax.train.common``'s (shared with draft training).
 """
 
 from __future__ import annotations
@@ -44,17 +45,16 @@ import math
 import os
 import shutil
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from eagle_jax.checkpoint import CheckpointReader, save_safetensors, save_sharded
+from eagle_jax.checkpoint import CheckpointReader, save_sharded
 from eagle_jax.config import ModelConfig, resolve_dtype
+from eagle_jax.train import common
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
@@ -158,28 +158,6 @@ def param_count(tree) -> int:
     return int(sum(np.prod(np.shape(x)) for x in jax.tree_util.tree_leaves(tree)))
 
 
-def lr_at(step, total, cfg: TargetTrainConfig):
-    """Learning rate of update ``step`` (0-based): linear warm-up, cosine to min_lr_ratio."""
-    step = jnp.asarray(step, jnp.float32)
-    total = jnp.asarray(total, jnp.float32)
-    warm = max(cfg.warmup, 1)
-    warm_lr = cfg.lr * (step + 1.0) / warm
-    progress = jnp.clip((step - warm) / jnp.maximum(total - warm, 1.0), 0.0, 1.0)
-    cos_lr = cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 *
-                       (1.0 + jnp.cos(jnp.pi * progress)))
-    return jnp.where(step < warm, warm_lr, cos_lr)
-
-
-def make_optimizer(cfg: TargetTrainConfig) -> optax.GradientTransformation:
-    """AdamW without the learning rate (applied in the step): clip, Adam, decay matrices."""
-    def decay_mask(params):
-        return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
-
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=1e-8),
-                       optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
-
-
 def sample_windows(data: np.ndarray, seed: int, step: int, batch: int, seq_len: int) -> np.ndarray:
     """[batch, seq_len + 1] int32 random windows of ``data`` for step ``step``."""
     rng = np.random.default_rng([seed, step])
@@ -196,61 +174,6 @@ def eval_windows(data: np.ndarray, seq_len: int, max_tokens: int) -> np.ndarray:
         return np.zeros((0, seq_len + 1), np.int32)
     idx = np.arange(count)[:, None] * seq_len + np.arange(seq_len + 1)
     return data[idx].astype(np.int32)
-
-
-# ----------------------------------------------------------------------- checkpoints
-
-
-def _named_leaves(tree, prefix: str) -> dict[str, Any]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {prefix + jax.tree_util.keystr(path): leaf for path, leaf in flat}
-
-
-def save_state(path: str, params, opt_state, meta: dict) -> None:
-    """Writes ``path/state.safetensors`` + ``path/meta.json`` atomically (tmp + rename)."""
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    tensors = {name: np.asarray(jax.device_get(leaf)) for name, leaf in
-               {**_named_leaves(params, "params"), **_named_leaves(opt_state, "opt")}.items()}
-    save_safetensors(os.path.join(tmp, "state.safetensors"), tensors)
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=2)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-
-
-def load_state(path: str, params, opt_state):
-    """Fills templates ``params`` / ``opt_state``; returns (params, opt_state, meta)."""
-    reader = CheckpointReader(path)
-
-    def fill(tree, prefix):
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        leaves = []
-        for p, leaf in flat:
-            name, shape = prefix + jax.tree_util.keystr(p), tuple(np.shape(leaf))
-            arr = reader.get(name)
-            if arr.size != int(np.prod(shape, dtype=np.int64)):
-                raise ValueError(f"{path}: {name} has shape {arr.shape}, expected {shape}")
-            leaves.append(np.asarray(arr, dtype=np.asarray(leaf).dtype).reshape(shape))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    return fill(params, "params"), fill(opt_state, "opt"), meta
-
-
-def latest_checkpoint(out: str) -> str | None:
-    paths = sorted(p for p in glob.glob(os.path.join(out, "ckpt", "step_*"))
-                   if not p.endswith(".tmp") and os.path.exists(os.path.join(p, "meta.json")))
-    return paths[-1] if paths else None
-
-
-def _prune(out: str, keep: int) -> None:
-    paths = sorted(p for p in glob.glob(os.path.join(out, "ckpt", "step_*"))
-                   if not p.endswith(".tmp"))
-    for p in paths[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- export
@@ -309,28 +232,25 @@ def train_target(cfg: TargetTrainConfig) -> dict:
     if int(train_data.max()) >= tok["vocab_size"]:
         raise ValueError("train.npy holds ids outside the tokenizer's vocabulary")
 
-    devices = jax.local_devices()
+    devices, replicated, sharded = common.data_parallel(cfg.batch_size)
     n_dev = len(devices)
-    if cfg.batch_size % n_dev:
-        raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the {n_dev} "
-                         "local devices")
-    mesh = Mesh(np.array(devices), ("data",))
-    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
     model = new_model(mcfg, cfg.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
     n_params = param_count(params)
-    tx = make_optimizer(cfg)
+    # the learning rate is applied in the step (from (step, total): total may be refitted)
+    tx = common.make_optimizer(cfg, lr_in_step=True, decay_mask=common.matrices_only)
     opt_state = tx.init(params)
 
     start, total, prev_wall, records, resumed_from = 0, cfg.steps, 0.0, [], None
-    ckpt = latest_checkpoint(out) if cfg.resume else None
-    if not cfg.resume and latest_checkpoint(out) is not None:
+    ckpt_root = os.path.join(out, "ckpt")
+    ckpt = common.latest_checkpoint(ckpt_root) if cfg.resume else None
+    if not cfg.resume and common.latest_checkpoint(ckpt_root) is not None:
         raise ValueError(f"{out}/ckpt holds checkpoints of an earlier run: pass --resume to "
                          "continue it, or use a fresh --out")
     if ckpt is not None:
-        params, opt_state, meta = load_state(ckpt, params, opt_state)
+        params, opt_state, meta = common.load_state(ckpt, params, opt_state)
         if meta.get("hf_config", {}).get("hidden_size") != hf["hidden_size"] or \
                 meta.get("hf_config", {}).get("num_hidden_layers") != hf["num_hidden_layers"]:
             raise ValueError(f"{ckpt} was trained with another model shape")
@@ -363,7 +283,7 @@ def train_target(cfg: TargetTrainConfig) -> dict:
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
                                  for g in jax.tree_util.tree_leaves(grads)))
         updates, opt_state = tx.update(grads, opt_state, params)
-        lr = lr_at(step, total_steps, cfg)
+        lr = common.warmup_cosine_lr(step, total_steps, cfg)
         updates = jax.tree.map(lambda u: -lr * u, updates)
         params = optax.apply_updates(params, updates)
         return params, opt_state, dict(loss=loss, grad_norm=grad_norm, lr=lr)
@@ -400,10 +320,10 @@ def train_target(cfg: TargetTrainConfig) -> dict:
                            resumed_from=resumed_from, records=records, final=final), f, indent=1)
 
     def checkpoint(step):
-        save_state(os.path.join(out, "ckpt", f"step_{step:07d}"), params, opt_state,
-                   dict(step=step, total_steps=total, seed=cfg.seed, hf_config=hf,
-                        wall_s=prev_wall + time.time() - t_begin))
-        _prune(out, cfg.keep_checkpoints)
+        common.save_state(common.step_dir(ckpt_root, step), params, opt_state,
+                          dict(step=step, total_steps=total, seed=cfg.seed, hf_config=hf,
+                               wall_s=prev_wall + time.time() - t_begin))
+        common.prune_checkpoints(ckpt_root, cfg.keep_checkpoints)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_per_token = 6 * n_params + 12 * cfg.layers * cfg.hidden * cfg.seq_len

@@ -12,13 +12,13 @@ The step is one ``jax.jit`` over a Mesh with a 'data' axis spanning the local de
 the batch is sharded over 'data', parameters and optimizer state are replicated, and
 XLA inserts the gradient all-reduce. The batch of step s is drawn from a numpy
 generator seeded by (seed, s) and noise keys are ``fold_in(key, s)``, so a resumed run
-draws exactly the batches an uninterrupted run would.
+draws exactly the batches an uninterrupted run would. The optimizer, the mesh and the
+checkpoint files are ``eagle_jax.train.common``'s (shared with target pre-training).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import time
@@ -29,13 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from eagle_jax.checkpoint import CheckpointReader, save_safetensors
 from eagle_jax.config import resolve_dtype
 from eagle_jax.models.draft import EAGLE, EAGLE3, DraftConfig, new_draft
 from eagle_jax.models.draft_checkpoint import save_draft
+from eagle_jax.train import common
 from eagle_jax.train import data as data_lib
 from eagle_jax.train import unroll
 
@@ -153,60 +152,6 @@ def prepare_data(target, cfg: TrainConfig, feature_layers) -> data_lib.FeatureSt
         progress=cfg.progress, source=source)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW under linear warm-up + cosine decay, with global-norm gradient clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=max(cfg.warmup, 1),
-        decay_steps=max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2,
-                                   weight_decay=cfg.weight_decay))
-
-
-# ----------------------------------------------------------------------- checkpoints
-
-
-def _named_leaves(tree, prefix: str) -> dict[str, Any]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {prefix + jax.tree_util.keystr(path): leaf for path, leaf in flat}
-
-
-def save_train_state(path: str, params, opt_state, step: int, key_data: np.ndarray,
-                     extra: dict) -> None:
-    os.makedirs(path, exist_ok=True)
-    tensors = {}
-    for name, leaf in {**_named_leaves(params, "params"),
-                       **_named_leaves(opt_state, "opt")}.items():
-        tensors[name] = np.asarray(jax.device_get(leaf))
-    save_safetensors(os.path.join(path, "state.safetensors"), tensors)
-    with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump(dict(step=step, key=[int(k) for k in key_data], **extra), f, indent=2)
-
-
-def load_train_state(path: str, params, opt_state):
-    """Fills templates ``params``/``opt_state`` from ``path``; returns (params, opt, meta)."""
-    reader = CheckpointReader(path)
-
-    def fill(tree, prefix):
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        leaves = []
-        for p, leaf in flat:
-            name, shape = prefix + jax.tree_util.keystr(p), np.shape(leaf)
-            arr = reader.get(name, expected_shape=shape)
-            leaves.append(jnp.asarray(arr, dtype=jnp.asarray(leaf).dtype))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    return fill(params, "params"), fill(opt_state, "opt"), meta
-
-
-def latest_checkpoint(out: str) -> str | None:
-    paths = sorted(glob.glob(os.path.join(out, "checkpoints", "step_*")))
-    paths = [p for p in paths if os.path.exists(os.path.join(p, "meta.json"))]
-    return paths[-1] if paths else None
-
-
 # ------------------------------------------------------------------------- training
 
 
@@ -248,21 +193,17 @@ def train(cfg: TrainConfig) -> dict:
     t2d_ids = jnp.asarray(data_lib.target_to_draft(d2t, tcfg.vocab_size))
 
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
-    tx = make_optimizer(cfg)
+    tx = common.make_optimizer(cfg)  # optax's warm-up + cosine schedule over cfg.steps
     opt_state = tx.init(params)
     start, key_data = 0, np.asarray(jax.random.key_data(jax.random.key(cfg.seed)))
-    ckpt = latest_checkpoint(cfg.out) if cfg.resume else None
+    ckpt_root = os.path.join(cfg.out, "checkpoints")
+    ckpt = common.latest_checkpoint(ckpt_root) if cfg.resume else None
     if ckpt is not None:
-        params, opt_state, meta = load_train_state(ckpt, params, opt_state)
+        params, opt_state, meta = common.load_state(ckpt, params, opt_state)
         start, key_data = int(meta["step"]), np.asarray(meta["key"], np.uint32)
     base_key = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32))
 
-    devices = jax.local_devices()
-    if cfg.batch_size % len(devices):
-        raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of the "
-                         f"{len(devices)} local devices")
-    mesh = Mesh(np.array(devices), ("data",))
-    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    _, replicated, sharded = common.data_parallel(cfg.batch_size)
     params, opt_state, rest, t2d_ids = jax.device_put((params, opt_state, rest, t2d_ids),
                                                       replicated)
     eval_steps = cfg.eval_steps or max(cfg.ttt_steps, 1)
@@ -337,9 +278,10 @@ def train(cfg: TrainConfig) -> dict:
                 bar.write(f"step {done}: draft top-1 accuracy per step " +
                           " ".join(f"{a:.3f}" for a in acc))
         if cfg.save_every and (done % cfg.save_every == 0 or done in (cfg.steps, end)):
-            save_train_state(os.path.join(cfg.out, "checkpoints", f"step_{done:07d}"), params,
-                             opt_state, done, key_data, dict(seed=cfg.seed, algorithm=cfg.algorithm))
-            _prune_checkpoints(cfg.out, cfg.keep_checkpoints)
+            common.save_state(common.step_dir(ckpt_root, done), params, opt_state,
+                              dict(step=done, key=[int(k) for k in key_data], seed=cfg.seed,
+                                   algorithm=cfg.algorithm))
+            common.prune_checkpoints(ckpt_root, cfg.keep_checkpoints)
     bar.close()
 
     final = nnx.merge(graphdef, jax.device_get(params), jax.device_get(rest))
@@ -348,11 +290,3 @@ def train(cfg: TrainConfig) -> dict:
     final_acc = history[-1]["eval_acc"] if history else None
     return dict(step=max(start, end), initial_eval_acc=initial_acc, final_eval_acc=final_acc,
                 history=history, draft_dir=draft_dir, resumed_from=ckpt, draft=final)
-
-
-def _prune_checkpoints(out: str, keep: int) -> None:
-    import shutil
-
-    paths = sorted(glob.glob(os.path.join(out, "checkpoints", "step_*")))
-    for p in paths[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
