@@ -32,7 +32,8 @@
 # SEQ_LEN [512] T_BATCH [64] T_STEPS [20000: upper bound, fitted to the budget]
 # T_LR [3e-3] T_WARMUP [200] VOCAB [8192] D_VOCAB [4096] D_BATCH [32] D_TTT [5]
 # D_LR [1e-3] D_WARMUP [100] D_SEQS [8192 sequences of SEQ_LEN for draft features]
-# D_CALIB_STEPS [40] MAX_TOTAL_MB [40] T_EXTRA_ARGS [more train_target.py flags].
+# D_CALIB_STEPS [40] D_LABEL_MODE [soft: train_draft.py --label-mode, hard|soft]
+# MAX_TOTAL_MB [40] T_EXTRA_ARGS [more train_target.py flags].
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
@@ -51,6 +52,7 @@ T_LR=${T_LR:-3e-3}; T_WARMUP=${T_WARMUP:-200}; T_EVAL_EVERY=${T_EVAL_EVERY:-250}
 VOCAB=${VOCAB:-8192}; D_VOCAB=${D_VOCAB:-4096}; D_BATCH=${D_BATCH:-32}; D_TTT=${D_TTT:-5}
 D_LR=${D_LR:-1e-3}; D_WARMUP=${D_WARMUP:-100}; D_SEQS=${D_SEQS:-8192}
 D_CALIB_STEPS=${D_CALIB_STEPS:-40}; D_MAX_STEPS=${D_MAX_STEPS:-20000}
+D_LABEL_MODE=${D_LABEL_MODE:-soft}
 MAX_TOTAL_MB=${MAX_TOTAL_MB:-40}
 
 mkdir -p "$OUT_DIR"/{logs,corpus} "$WORK_DIR"
@@ -132,6 +134,7 @@ DATA_DIR="$WORK_DIR/draft_data"
 COMMON=(--target "$OUT_DIR/target" --corpus "$DRAFT_JSONL" --data-dir "$DATA_DIR"
         --algorithm EAGLE3 --batch-size "$D_BATCH" --seq-len "$SEQ_LEN" --lr "$D_LR"
         --warmup "$D_WARMUP" --draft-vocab-size "$D_VOCAB" --ttt-steps "$D_TTT"
+        --label-mode "$D_LABEL_MODE"
         --dtype float32 --target-dtype bfloat16 --max-sequences "$D_SEQS"
         --collect-batch-size 64 --chunk-sequences 512 --seed 0 --no-progress)
 rm -rf "$WORK_DIR/draft_calib" "$WORK_DIR/draft_run" "$DATA_DIR"  # features of THIS target

@@ -50,6 +50,11 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--ttt-steps", type=int, default=3,
                    help="EAGLE-3 training-time-test unroll length (7 in published recipes)")
     p.add_argument("--ttt-decay", type=float, default=0.8)
+    p.add_argument("--label-mode", default="hard", choices=["hard", "soft"],
+                   help="EAGLE-3 labels: hard = cross-entropy against the target's top-1 "
+                        "token; soft = KL to the target's temperature-1 distribution over "
+                        "the draft vocabulary (better acceptance when sampling; the feature "
+                        "cache also stores the target's final hidden states)")
     p.add_argument("--eval-steps", type=int, default=None,
                    help="unroll steps measured at evaluation (default: --ttt-steps)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -80,7 +85,7 @@ def parse_args(argv=None) -> TrainConfig:
         tokenizer=a.tokenizer, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
         lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup=a.warmup, weight_decay=a.weight_decay,
         clip_norm=a.clip_norm, draft_vocab_size=a.draft_vocab_size, ttt_steps=a.ttt_steps,
-        ttt_decay=a.ttt_decay, eval_steps=a.eval_steps, dtype=a.dtype,
+        ttt_decay=a.ttt_decay, label_mode=a.label_mode, eval_steps=a.eval_steps, dtype=a.dtype,
         target_dtype=a.target_dtype, eval_every=a.eval_every, save_every=a.save_every,
         log_every=a.log_every, eval_fraction=a.eval_fraction, eval_batches=a.eval_batches,
         max_sequences=a.max_sequences, chunk_sequences=a.chunk_sequences,

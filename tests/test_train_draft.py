@@ -147,6 +147,55 @@ def test_unrolled_forward_equals_extend_then_decode(setup, kind):
             np.testing.assert_allclose(h[0], unrolled[s][0, j], rtol=1e-4, atol=1e-4)
 
 
+def test_soft_label_kl_zero_at_target_and_hard_ce_when_one_hot():
+    rng = np.random.default_rng(3)
+    b, t, vd = 2, 5, 7
+    tl = jnp.asarray(rng.normal(size=(b, t, vd)) * 3, jnp.float32)
+    valid = jnp.asarray(rng.random((b, t)) < 0.8)
+    lse = jax.nn.logsumexp(tl, -1) + jnp.asarray(rng.random((b, t)), jnp.float32)  # mass < 1
+    # minimised, at zero, when the draft's logits equal the target's (up to a shift)
+    assert abs(float(unroll.soft_label_kl(tl + 1.5, tl, lse, valid))) < 1e-5
+    grad = jax.grad(lambda x: unroll.soft_label_kl(x, tl, lse, valid))(tl)
+    np.testing.assert_allclose(grad, 0.0, atol=1e-6)
+    other = jnp.asarray(rng.normal(size=(b, t, vd)), jnp.float32)
+    assert float(unroll.soft_label_kl(other, tl, lse, valid)) > 0.1
+    # a one-hot target (all mass on one drafted token) gives the hard-label cross-entropy
+    labels = jnp.asarray(rng.integers(0, vd, (b, t)), jnp.int32)
+    onehot = jnp.where(jax.nn.one_hot(labels, vd) > 0, 0.0, -jnp.inf)
+    np.testing.assert_allclose(unroll.soft_label_kl(other, onehot, jnp.zeros((b, t)), valid),
+                               unroll.hard_label_ce(other, labels, valid), rtol=1e-6)
+    # ... also when part of the positions' mass lies outside the draft vocabulary
+    # (hard: label -1, masked; soft: covered mass ~0, weight ~0)
+    outside = jnp.asarray(rng.random((b, t)) < 0.4)
+    lse_out = jnp.where(outside, 100.0, 0.0)
+    np.testing.assert_allclose(
+        unroll.soft_label_kl(other, onehot, lse_out, valid),
+        unroll.hard_label_ce(other, jnp.where(outside, -1, labels), valid), rtol=1e-5)
+
+
+def test_soft_label_cache_reproduces_target_logits(setup, tmp_path):
+    """The soft-label cache's bf16 hidden states give the target's logits through its LM
+    head (and the stored logsumexp); a hard-label cache says what it lacks."""
+    target = load_decoder(setup["target"])
+    seqs = markov(np.random.default_rng(4), np.random.default_rng(0).permutation(V), 4, 16)
+    kw = dict(kind="EAGLE3", feature_layers=(0, 1), seq_len=16, batch_size=4, progress=False)
+    store = data_lib.collect_features(target, list(seqs), str(tmp_path / "soft"),
+                                      target_hidden=True, **kw)
+    assert store.has_target_hidden
+    b = store.get([0, 3], with_target_hidden=True)
+    assert b["target_hidden"].dtype == jnp.bfloat16 and b["target_lse"].shape == (2, 16)
+    pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    ref = target(jnp.asarray(seqs[[0, 3]]), pos, target.init_cache(2, 16)).logits
+    logits = target.logits(jnp.asarray(b["target_hidden"]))
+    np.testing.assert_allclose(logits, ref, atol=0.05 * float(jnp.abs(ref).max()))
+    np.testing.assert_allclose(jax.nn.logsumexp(logits, -1), b["target_lse"], rtol=1e-5)
+    np.testing.assert_array_equal(jnp.argmax(ref, -1), b["top"])
+    hard = data_lib.collect_features(target, list(seqs), str(tmp_path / "hard"), **kw)
+    assert not hard.has_target_hidden and "target_hidden" not in hard.get([0])
+    with pytest.raises(ValueError, match="no target hidden states"):
+        hard.get([0], with_target_hidden=True)
+
+
 def test_step_labels():
     top = jnp.arange(6)[None]
     labels, valid = unroll.step_labels(top, 2)
@@ -203,6 +252,27 @@ def test_eagle1_training_via_script(setup, capsys):
     assert evals[0][0] < 0.05 and evals[-1][0] > 0.5, evals
     draft = load_draft(os.path.join(out, "draft"), load_decoder(setup["target"]))
     assert draft.kind == "EAGLE"
+
+
+def test_eagle3_soft_label_training_via_script(setup, capsys):
+    out = str(setup["root"] / "run_e3_soft")
+    rc = _load_script().main([
+        "--target", setup["target"], "--corpus", setup["corpus"], "--out", out,
+        "--algorithm", "EAGLE3", "--label-mode", "soft", "--steps", "100", "--batch-size", "8",
+        "--seq-len", str(SEQ), "--lr", "3e-3", "--warmup", "20", "--draft-vocab-size", "200",
+        "--ttt-steps", "3", "--eval-every", "100", "--save-every", "0", "--eval-fraction",
+        "0.1", "--collect-batch-size", "20", "--no-progress"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    summary = json.loads(stdout[stdout.rindex("{\n"):])
+    before, after = summary["initial_eval_acc"], summary["final_eval_acc"]
+    assert max(before) < 0.05, before
+    assert min(after) > 0.5, after  # every unroll step
+    with open(os.path.join(out, "data", "meta.json")) as f:
+        assert json.load(f)["target_hidden"] is True
+    losses = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    losses = [l["loss"] for l in losses if "loss" in l]
+    assert losses[-1] < losses[0], losses
 
 
 def test_resume_continues_from_saved_step(setup):

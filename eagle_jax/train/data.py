@@ -14,6 +14,15 @@ Pipeline:
    [T] (the loss labels). Rows are flushed to ``tokens_XXXXX.npy`` / ``features_XXXXX.npy``
    / ``top_XXXXX.npy`` every ``chunk_sequences`` sequences, so host memory stays bounded
    by one chunk; training reads the chunks through memory maps.
+   With ``target_hidden=True`` (soft-label EAGLE-3 training) the store also keeps the
+   target's final-norm hidden state [T, H] in bfloat16 (``hidden_XXXXX.npy``) and the
+   logsumexp of the target's full-vocabulary logits computed from that bf16 hidden
+   [T] float32 (``lse_XXXXX.npy``). The trainer recomputes the target's logits over the
+   draft vocabulary as ``hidden @ lm_head[draft ids].T`` (a [Vd, H] slice of the LM head)
+   and ``exp(logsumexp(those) - lse)`` is the target probability mass the draft vocabulary
+   covers. That is H bf16 values + 4 bytes per position (a third of EAGLE-3's 3H features),
+   exact, and cheaper than top-k logprobs for k >= H / 3; meta.json records
+   ``"target_hidden": true``.
 4. ``build_vocab_map``: EAGLE-3's reduced vocabulary, the ``draft_vocab_size`` most frequent
    target top-1 tokens (the tokens the draft must predict), as ``d2t`` offsets.
 """
@@ -100,7 +109,9 @@ def _to_storage(x: np.ndarray) -> np.ndarray:
 
 
 class FeatureStore:
-    """Chunks of (tokens [n, T] i32, features [n, T, F], top [n, T] i32) under ``root``."""
+    """Chunks of (tokens [n, T] i32, features [n, T, F], top [n, T] i32, and when
+    ``has_target_hidden``: target_hidden [n, T, H] bf16, target_lse [n, T] f32) under
+    ``root``."""
 
     def __init__(self, root: str):
         self.root = root
@@ -118,6 +129,11 @@ class FeatureStore:
     def seq_len(self) -> int:
         return int(self.meta["seq_len"])
 
+    @property
+    def has_target_hidden(self) -> bool:
+        """Whether the cache holds the target's final hidden states (soft labels)."""
+        return bool(self.meta.get("target_hidden", False))
+
     def _array(self, what: str, chunk: int) -> np.ndarray:
         key = (what, chunk)
         if key not in self._maps:
@@ -125,17 +141,31 @@ class FeatureStore:
                                       mmap_mode="r")
         return self._maps[key]
 
-    def get(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
-        """Sequences by global index: tokens [B, T], features [B, T, F], top [B, T]."""
-        out = {"tokens": [], "features": [], "top": []}
+    def get(self, indices: Sequence[int], with_target_hidden: bool = False
+            ) -> dict[str, np.ndarray]:
+        """Sequences by global index: tokens [B, T], features [B, T, F], top [B, T]; with
+        ``with_target_hidden`` also target_hidden [B, T, H] bf16 and target_lse [B, T] f32
+        (raises ValueError when the cache was collected without them)."""
+        if with_target_hidden and not self.has_target_hidden:
+            raise ValueError(
+                f"feature cache {self.root} has no target hidden states (hidden_*.npy, "
+                "lse_*.npy; meta.json 'target_hidden'): it was collected for hard labels. "
+                "Soft-label training (label_mode='soft') needs them: delete the cache or "
+                "use another --data-dir so that it is collected again")
+        files = {"tokens": "tokens", "features": "features", "top": "top"}
+        if with_target_hidden:
+            files.update(target_hidden="hidden", target_lse="lse")
+        out: dict[str, list] = {k: [] for k in files}
         for i in indices:
             c = int(np.searchsorted(self.starts, i, side="right") - 1)
             r = int(i - self.starts[c])
-            for what in out:
-                out[what].append(np.asarray(self._array(what, c)[r]))
+            for key, what in files.items():
+                out[key].append(np.asarray(self._array(what, c)[r]))
         res = {k: np.stack(v) for k, v in out.items()}
         if self.meta["feature_dtype"] == "bfloat16":
             res["features"] = res["features"].view(ml_dtypes.bfloat16)
+        if with_target_hidden:
+            res["target_hidden"] = res["target_hidden"].view(ml_dtypes.bfloat16)
         return res
 
     @staticmethod
@@ -153,7 +183,7 @@ def collect_features(target, sequences: Iterable[np.ndarray], out_dir: str, *, k
                      feature_layers: Sequence[int] | None, seq_len: int, batch_size: int = 8,
                      chunk_sequences: int = 256, max_chunk_bytes: int = 1 << 30,
                      max_sequences: int | None = None, progress: bool = True,
-                     source: dict | None = None) -> FeatureStore:
+                     source: dict | None = None, target_hidden: bool = False) -> FeatureStore:
     """Runs the target over the sequences and writes a ``FeatureStore`` to ``out_dir``.
 
     kind "EAGLE": features = final-norm hidden states; "EAGLE3": the inputs of
@@ -161,6 +191,8 @@ def collect_features(target, sequences: Iterable[np.ndarray], out_dir: str, *, k
     ``chunk_sequences`` sequences or ``max_chunk_bytes`` of features, whichever is first
     (an 8B target's EAGLE-3 features are ~50 MB per 2048-token sequence in bf16).
     ``source`` is recorded in meta.json (the run reuses the cache only when it matches).
+    ``target_hidden``: also store the target's final-norm hidden states (bf16) and the
+    logsumexp of its logits over them (soft-label training; see the module docstring).
     """
     from flax import nnx
 
@@ -176,12 +208,19 @@ def collect_features(target, sequences: Iterable[np.ndarray], out_dir: str, *, k
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         out = model(tokens, pos, cache, aux_layers=aux)
         feats = out.aux_hidden if aux else out.hidden
-        return feats, jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+        top = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+        if not target_hidden:
+            return feats, top, None, None
+        hidden = out.hidden.astype(jnp.bfloat16)  # what the trainer recomputes logits from
+        lse = jax.nn.logsumexp(model.logits(hidden), axis=-1).astype(jnp.float32)
+        return feats, top, hidden, lse
 
     vocab = target.config.vocab_size
     counts = np.zeros(vocab, np.int64)
     chunks: list[int] = []
     pending: dict[str, list[np.ndarray]] = {"tokens": [], "features": [], "top": []}
+    if target_hidden:
+        pending.update(hidden=[], lse=[])
     feature_dtype = None
 
     def flush():
@@ -201,15 +240,19 @@ def collect_features(target, sequences: Iterable[np.ndarray], out_dir: str, *, k
         n = len(batch)
         if n < batch_size:  # keep one compiled shape: pad the last batch
             tokens = np.concatenate([tokens, np.zeros((batch_size - n, seq_len), np.int32)])
-        feats, top = jax.device_get(run(state, jnp.asarray(tokens)))
+        feats, top, hidden, lse = jax.device_get(run(state, jnp.asarray(tokens)))
         feats, top = np.asarray(feats)[:n], np.asarray(top)[:n]
         feature_dtype = feats.dtype
         counts[:] += np.bincount(top.reshape(-1), minlength=vocab)[:vocab]
         pending["tokens"].append(tokens[:n])
         pending["features"].append(feats)
         pending["top"].append(top)
+        if target_hidden:
+            pending["hidden"].append(np.asarray(hidden)[:n])
+            pending["lse"].append(np.asarray(lse)[:n])
         if (sum(len(r) for r in pending["tokens"]) >= chunk_sequences
-                or sum(r.nbytes for r in pending["features"]) >= max_chunk_bytes):
+                or sum(r.nbytes for k in ("features", "hidden") for r in pending.get(k, ()))
+                >= max_chunk_bytes):
             flush()
 
     batch: list[np.ndarray] = []
@@ -234,7 +277,8 @@ def collect_features(target, sequences: Iterable[np.ndarray], out_dir: str, *, k
     np.save(os.path.join(out_dir, "top_counts.npy"), counts)
     meta = dict(kind=kind, feature_layers=list(aux) if aux else None, seq_len=seq_len,
                 feature_dim=None, feature_dtype=str(np.dtype(feature_dtype).name),
-                num_sequences=total, chunks=chunks, vocab_size=vocab, source=source)
+                num_sequences=total, chunks=chunks, vocab_size=vocab, source=source,
+                target_hidden=bool(target_hidden))
     meta["feature_dim"] = int(np.load(os.path.join(out_dir, "features_00000.npy"),
                                       mmap_mode="r").shape[-1])
     with open(os.path.join(out_dir, "meta.json"), "w") as f:

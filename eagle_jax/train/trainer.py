@@ -14,6 +14,18 @@ XLA inserts the gradient all-reduce. The batch of step s is drawn from a numpy
 generator seeded by (seed, s) and noise keys are ``fold_in(key, s)``, so a resumed run
 draws exactly the batches an uninterrupted run would. The optimizer, the mesh and the
 checkpoint files are ``eagle_jax.train.common``'s (shared with target pre-training).
+
+Labels (EAGLE-3, ``label_mode``): "hard" trains each unroll step with cross-entropy
+against the target's top-1 token mapped into the draft vocabulary (greedy acceptance).
+"soft" distils the target's whole temperature-1 next-token distribution: the forward KL
+from the target's distribution restricted to the draft vocabulary (renormalised) to the
+draft's, per position weighted by the target mass the draft vocabulary covers (see
+``unroll.soft_label_kl``), with the same geometric unroll weights. Acceptance under
+rejection sampling is sum_x min(p, q) = 1 - TV(p, q), which the soft loss targets. The
+cache then also holds the target's final-norm hidden state (bf16) and its full-vocabulary
+logsumexp per position, and the step recomputes the target's draft-vocabulary logits as
+``hidden @ lm_head[draft ids].T`` (the [Vd, H] slice gathered once); a hard-label cache is
+collected again for a soft run.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # EAGLE-3; None = the target vocabulary
     ttt_steps: int = 3  # EAGLE-3 unroll length (7 in published recipes)
     ttt_decay: float = 0.8
+    label_mode: str = "hard"  # EAGLE-3: "hard" (target top-1 CE) or "soft" (target distribution KL)
     eagle1_v_weight: float = 1.0
     eagle1_p_weight: float = 0.1
     eagle1_noise: float = 0.0
@@ -123,14 +136,18 @@ def draft_config_for(target_cfg, cfg: TrainConfig, d2t_size: int | None) -> Draf
 
 
 def prepare_data(target, cfg: TrainConfig, feature_layers) -> data_lib.FeatureStore:
-    """The feature cache for this run: reused when its parameters match, else rebuilt."""
+    """The feature cache for this run: reused when its parameters match (and, for soft
+    labels, it holds the target's hidden states), else rebuilt."""
     root = cfg.data_dir or os.path.join(cfg.out, "data")
     source = dict(target=os.path.abspath(cfg.target), corpus=os.path.abspath(cfg.corpus),
                   max_sequences=cfg.max_sequences, target_dtype=cfg.target_dtype or cfg.dtype)
     expect = dict(kind=cfg.algorithm, seq_len=cfg.seq_len, source=source,
                   feature_layers=list(feature_layers) if feature_layers else None)
+    soft = cfg.label_mode == "soft"
     if data_lib.FeatureStore.matches(root, **expect):
-        return data_lib.FeatureStore(root)
+        store = data_lib.FeatureStore(root)
+        if store.has_target_hidden or not soft:
+            return store
     tokenizer = None
     docs = data_lib.read_corpus(cfg.corpus)
     first = next(docs, None)
@@ -149,7 +166,7 @@ def prepare_data(target, cfg: TrainConfig, feature_layers) -> data_lib.FeatureSt
         target, seqs, root, kind=cfg.algorithm, feature_layers=feature_layers,
         seq_len=cfg.seq_len, batch_size=cfg.collect_batch_size,
         chunk_sequences=cfg.chunk_sequences, max_sequences=cfg.max_sequences,
-        progress=cfg.progress, source=source)
+        progress=cfg.progress, source=source, target_hidden=soft)
 
 
 # ------------------------------------------------------------------------- training
@@ -165,6 +182,12 @@ def train(cfg: TrainConfig) -> dict:
 
     if cfg.algorithm not in (EAGLE, EAGLE3):
         raise ValueError(f"algorithm must be EAGLE or EAGLE3, got {cfg.algorithm!r}")
+    if cfg.label_mode not in ("hard", "soft"):
+        raise ValueError(f"label_mode must be 'hard' or 'soft', got {cfg.label_mode!r}")
+    if cfg.label_mode == "soft" and cfg.algorithm != EAGLE3:
+        raise ValueError("label_mode='soft' is for EAGLE3 (EAGLE-1's loss already uses the "
+                         "target's distribution)")
+    soft = cfg.label_mode == "soft"
     os.makedirs(cfg.out, exist_ok=True)
     dtype = resolve_dtype(cfg.dtype)
     target = load_decoder(cfg.target, cfg.target_dtype or cfg.dtype)
@@ -189,6 +212,12 @@ def train(cfg: TrainConfig) -> dict:
     draft = new_draft(dcfg, target_embed=embed, target_lm_head=head.astype(dtype),
                       d2t=None if d2t is None else jnp.asarray(d2t), dtype=dtype, seed=cfg.seed,
                       use_kernels=False)  # Pallas kernels have no VJP: the jnp path trains
+    # soft labels: the target LM head's rows of the draft vocabulary, [Vd, H], in the
+    # target's dtype (the target's logits are recomputed exactly from the cached hidden)
+    target_head = None
+    if soft:
+        ids = np.arange(tcfg.vocab_size) if d2t is None else np.arange(d2t.size) + d2t
+        target_head = jnp.take(head, jnp.asarray(ids, jnp.int32), axis=0)
     del target, head  # the draft keeps only the arrays it borrows
     t2d_ids = jnp.asarray(data_lib.target_to_draft(d2t, tcfg.vocab_size))
 
@@ -204,14 +233,15 @@ def train(cfg: TrainConfig) -> dict:
     base_key = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32))
 
     _, replicated, sharded = common.data_parallel(cfg.batch_size)
-    params, opt_state, rest, t2d_ids = jax.device_put((params, opt_state, rest, t2d_ids),
-                                                      replicated)
+    params, opt_state, rest, t2d_ids, target_head = jax.device_put(
+        (params, opt_state, rest, t2d_ids, target_head), replicated)
     eval_steps = cfg.eval_steps or max(cfg.ttt_steps, 1)
 
     def loss_fn(params, rest, batch, key):
         model = nnx.merge(graphdef, params, rest)
         if cfg.algorithm == EAGLE3:
-            return unroll.eagle3_loss(model, batch, cfg.ttt_steps, t2d_ids, cfg.ttt_decay)
+            return unroll.eagle3_loss(model, batch, cfg.ttt_steps, t2d_ids, cfg.ttt_decay,
+                                      label_mode=cfg.label_mode, target_head=target_head)
         return unroll.eagle1_loss(model, batch, v_weight=cfg.eagle1_v_weight,
                                   p_weight=cfg.eagle1_p_weight, noise_key=key,
                                   noise_std=cfg.eagle1_noise)
@@ -228,8 +258,8 @@ def train(cfg: TrainConfig) -> dict:
     def eval_step(params, rest, batch):
         return unroll.step_accuracy(nnx.merge(graphdef, params, rest), batch, eval_steps)
 
-    def device_batch(idx):
-        return jax.device_put(store.get(idx), sharded)  # host -> shards, one transfer
+    def device_batch(idx, train=False):  # host -> shards, one transfer
+        return jax.device_put(store.get(idx, with_target_hidden=train and soft), sharded)
 
     def evaluate(params):
         if eval_pool.size == 0:
@@ -261,7 +291,8 @@ def train(cfg: TrainConfig) -> dict:
                disable=not cfg.progress)
     t0 = time.time()
     for step in bar:
-        batch = device_batch(_batch_indices(cfg.seed, step, train_pool, cfg.batch_size))
+        batch = device_batch(_batch_indices(cfg.seed, step, train_pool, cfg.batch_size),
+                             train=True)
         params, opt_state, m = train_step(params, opt_state, rest, batch, jnp.int32(step))
         done = step + 1
         if done % cfg.log_every == 0 or done == end:
@@ -280,7 +311,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.save_every and (done % cfg.save_every == 0 or done in (cfg.steps, end)):
             common.save_state(common.step_dir(ckpt_root, done), params, opt_state,
                               dict(step=done, key=[int(k) for k in key_data], seed=cfg.seed,
-                                   algorithm=cfg.algorithm))
+                                   algorithm=cfg.algorithm, label_mode=cfg.label_mode))
             common.prune_checkpoints(ckpt_root, cfg.keep_checkpoints)
     bar.close()
 

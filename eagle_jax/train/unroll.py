@@ -111,23 +111,80 @@ def step_labels(top: Array, steps: int) -> tuple[list[Array], list[Array]]:
     return labels, valid
 
 
-def eagle3_loss(draft, batch: dict, steps: int, t2d_ids: Array, decay: float = 0.8):
-    """Training-time-test loss: sum_s decay^s * CE(draft logits at step s, target top-1).
+def hard_label_ce(logits: Array, draft_labels: Array, valid: Array) -> Array:
+    """Mean cross-entropy of the draft's logits [B, T, Vd] against draft-vocabulary labels
+    [B, T] (-1: the target's token is outside the draft vocabulary, masked) over ``valid``
+    [B, T] positions. Returns float32 []."""
+    mask = (valid & (draft_labels >= 0)).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, jnp.maximum(draft_labels, 0)[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
+
+def soft_label_kl(logits: Array, target_logits: Array, target_lse: Array | None,
+                  valid: Array) -> Array:
+    """Forward KL(p || q), averaged over positions weighted by covered target mass.
+
+    logits [B, T, Vd]: the draft's (q = softmax). target_logits [B, T, Vd]: the target's
+    logits at the draft vocabulary's target ids (p = their softmax, i.e. the target's
+    temperature-1 distribution restricted to the draft vocabulary and renormalised).
+    target_lse [B, T]: logsumexp of the target's logits over its whole vocabulary (None:
+    the draft vocabulary is the whole one). valid [B, T] bool.
+
+    Position weight: valid * m, m = exp(logsumexp(target_logits) - target_lse) in [0, 1],
+    the target mass the draft vocabulary covers (a position whose mass lies outside the
+    draft vocabulary cannot be accepted anyway, and with a one-hot target this is exactly
+    ``hard_label_ce``'s mask). The loss is sum(w * KL) / sum(w). KL differs from the
+    cross-entropy -sum p log q only by p's entropy (no gradient), so it is zero at q = p.
+    The target side gets no gradient. Returns float32 [].
+    """
+    tl = jax.lax.stop_gradient(target_logits.astype(jnp.float32))
+    logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(tl, axis=-1)
+    p = jnp.exp(logp)
+    kl = jnp.sum(jnp.where(p > 0, p * (jnp.where(p > 0, logp, 0.0) - logq), 0.0), axis=-1)
+    w = valid.astype(jnp.float32)
+    if target_lse is not None:
+        lse = jax.lax.stop_gradient(target_lse.astype(jnp.float32))
+        w = w * jnp.clip(jnp.exp(jax.nn.logsumexp(tl, axis=-1) - lse), 0.0, 1.0)
+    total = jnp.sum(w)
+    return jnp.sum(w * kl) / jnp.where(total > 0, total, 1.0)
+
+
+def eagle3_loss(draft, batch: dict, steps: int, t2d_ids: Array, decay: float = 0.8, *,
+                label_mode: str = "hard", target_head: Array | None = None):
+    """Training-time-test loss: sum_s decay^s * loss_s(draft logits at step s).
+
+    label_mode "hard": loss_s = CE against the target's top-1 token (``hard_label_ce``);
     t2d_ids [V] maps target ids to draft ids (-1: not in the draft vocabulary; those
-    positions are masked). Returns (loss, per-step CE [steps]).
+    positions are masked). "soft": loss_s = ``soft_label_kl`` against the target's
+    next-token distribution over the draft vocabulary, whose logits are
+    ``batch["target_hidden"] @ target_head.T`` (target_head [Vd, H]: the target LM head's
+    rows of the draft vocabulary's target ids) with ``batch["target_lse"]`` for the
+    covered mass. Returns (loss, per-step loss [steps]).
     """
     outs = unrolled_forward(draft, batch["tokens"], batch["features"], steps)
     labels, valid = step_labels(batch["top"], steps)
+    if label_mode == "soft":
+        if target_head is None or "target_hidden" not in batch:
+            raise ValueError("soft labels need target_head and batch['target_hidden'] / "
+                             "batch['target_lse']")
+        hid = batch["target_hidden"]
+        t_logits = jnp.einsum("bth,vh->btv", hid.astype(target_head.dtype), target_head,
+                              preferred_element_type=jnp.float32)
+        t_lse = batch["target_lse"]
+    elif label_mode != "hard":
+        raise ValueError(f"label_mode must be 'hard' or 'soft', got {label_mode!r}")
     total, per_step = 0.0, []
     for s, h in enumerate(outs):
-        dl = jnp.take(t2d_ids, labels[s])
-        mask = (valid[s] & (dl >= 0)).astype(jnp.float32)
-        logp = jax.nn.log_softmax(draft.logits(h), axis=-1)
-        nll = -jnp.take_along_axis(logp, jnp.maximum(dl, 0)[..., None], axis=-1)[..., 0]
-        ce = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-        per_step.append(ce)
-        total = total + (decay ** s) * ce
+        logits = draft.logits(h)
+        if label_mode == "soft":  # the target's distribution of x_{j+s+2}: row j + s + 1
+            ls = soft_label_kl(logits, shift_left(t_logits, s + 1),
+                               shift_left(t_lse, s + 1, 0.0), valid[s])
+        else:
+            ls = hard_label_ce(logits, jnp.take(t2d_ids, labels[s]), valid[s])
+        per_step.append(ls)
+        total = total + (decay ** s) * ls
     return total, jnp.stack(per_step)
 
 
