@@ -91,6 +91,13 @@ def _is_byte_level(tokenizer) -> bool:
 
 
 # ---------------------------------------------------------------------- errors
+
+def _usage(num_prompt_tokens: int, choices) -> dict:
+    """OpenAI ``usage``: prompt tokens once, completion tokens summed over the choices."""
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": num_prompt_tokens + completion}
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: Any = None,
                  err_type: str | None = None):
@@ -609,13 +616,10 @@ class OpenAIServer:
                     lp = self._concat_completion_logprobs(e_lp, lp)
             out_choices.append({"index": c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        completion_tokens = sum(len(c.token_ids) for c in choices)
         return JSONResponse({
             "id": request_id, "object": "text_completion", "created": created,
             "model": self.model_name, "choices": out_choices,
-            "usage": {"prompt_tokens": num_prompt_tokens,
-                      "completion_tokens": completion_tokens,
-                      "total_tokens": num_prompt_tokens + completion_tokens},
+            "usage": _usage(num_prompt_tokens, choices),
         })
 
     @staticmethod
@@ -634,10 +638,8 @@ class OpenAIServer:
             text, lp = echo[c.index // req.n]
             out.append({"index": c.index, "text": text, "logprobs": lp,
                         "finish_reason": "length", "stop_reason": None})
-        usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": 0,
-                 "total_tokens": num_prompt_tokens}
         return {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": out, "usage": usage}
+                "model": self.model_name, "choices": out, "usage": _usage(num_prompt_tokens, [])}
 
     async def _merged(self, choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, Any]]:
         """Yields (choice, RequestOutput) from all choices as they arrive."""
@@ -705,10 +707,8 @@ class OpenAIServer:
                     "finish_reason": out.finish_reason if out.finished else None,
                     "stop_reason": out.stop_reason if out.finished else None}], **extra})
             if include_usage:
-                completion_tokens = sum(len(c.token_ids) for c in choices)
-                yield self._sse({**base, "choices": [], "usage": {
-                    "prompt_tokens": num_prompt_tokens, "completion_tokens": completion_tokens,
-                    "total_tokens": num_prompt_tokens + completion_tokens}})
+                yield self._sse({**base, "choices": [],
+                                 "usage": _usage(num_prompt_tokens, choices)})
         except RequestFailedError as e:
             yield self._sse(APIError(500, str(e)).body())
         finally:
@@ -762,12 +762,9 @@ class OpenAIServer:
                              if num_top is not None else None),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             })
-        completion_tokens = sum(len(c.token_ids) for c in choices)
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created,
-            "model": self.model_name, "choices": out,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                      "total_tokens": len(ids) + completion_tokens},
+            "model": self.model_name, "choices": out, "usage": _usage(len(ids), choices),
         })
 
     async def _chat_stream(self, request_id, created, choices, num_top, num_prompt_tokens,
@@ -793,10 +790,8 @@ class OpenAIServer:
                     "finish_reason": out.finish_reason if out.finished else None,
                     "stop_reason": out.stop_reason if out.finished else None}], **extra})
             if include_usage:
-                completion_tokens = sum(len(c.token_ids) for c in choices)
-                yield self._sse({**base, "choices": [], "usage": {
-                    "prompt_tokens": num_prompt_tokens, "completion_tokens": completion_tokens,
-                    "total_tokens": num_prompt_tokens + completion_tokens}})
+                yield self._sse({**base, "choices": [],
+                                 "usage": _usage(num_prompt_tokens, choices)})
         except RequestFailedError as e:
             yield self._sse(APIError(500, str(e)).body())
         finally:
