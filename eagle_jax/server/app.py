@@ -90,13 +90,14 @@ def _is_byte_level(tokenizer) -> bool:
     return "ByteLevel" in kinds
 
 
-# ---------------------------------------------------------------------- errors
-
 def _usage(num_prompt_tokens: int, choices) -> dict:
     """OpenAI ``usage``: prompt tokens once, completion tokens summed over the choices."""
     completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
             "total_tokens": num_prompt_tokens + completion}
+
+
+# ---------------------------------------------------------------------- errors
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: Any = None,
@@ -121,6 +122,9 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+# ---------------------------------------------------------------------- errors
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
