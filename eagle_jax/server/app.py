@@ -124,9 +124,6 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-# ---------------------------------------------------------------------- errors
-
-
 def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
