@@ -10,8 +10,11 @@
 #              names a corpus built before (e.g. on another machine and carried over).
 #   2. target  train_target.py, 8 x 384 (tied vocab 8192, ~15.7M params, ~31.5 MB bf16),
 #              time budget TARGET_BUDGET_S (the cosine schedule is fitted to the budget
-#              from the step time measured during warm-up).
-#   3. draft   train_draft.py (EAGLE-3, draft vocab 4096, ~3.8M params, ~7.7 MB bf16),
+#              from the step time measured during warm-up); or, with TARGET_DIR, a target
+#              made before on the same corpus (same tokenizer.json), copied: only the
+#              draft is retrained.
+#   3. draft   train_draft.py (EAGLE-3 distilled on the target's distribution, borrowing
+#              its LM head over the whole vocabulary, MLP 2048, ~3.4M params, ~7.0 MB bf16),
 #              stage budget DRAFT_BUDGET_S: a short calibration run (it also collects the
 #              target features into a shared cache) measures the step time, then a fresh
 #              run with the step count that fits what is left of the budget.
@@ -25,14 +28,18 @@
 # Large intermediates (checkpoints, the draft's feature cache, several GB) go to WORK_DIR
 # (default /tmp/eagle_default_model_work), never under OUT_DIR.
 #
-# Environment (defaults in brackets): PYTHON [python3], CORPUS_DIR [build], WORK_DIR,
-# TARGET_BUDGET_S [240], DRAFT_BUDGET_S [180], TOTAL_BUDGET_S [510: the draft stage is cut
+# Environment (defaults in brackets): PYTHON [python3], CORPUS_DIR [build], TARGET_DIR
+# [train one], WORK_DIR, TARGET_BUDGET_S [240], DRAFT_BUDGET_S [180], TOTAL_BUDGET_S [510: the draft stage is cut
 # to what is left of it], EXTRA_ROOTS [none: more source roots for the corpus],
 # T_LAYERS [8] T_HIDDEN [384] T_HEADS [6] T_KV_HEADS [2] T_INTERMEDIATE [1024]
 # SEQ_LEN [512] T_BATCH [64] T_STEPS [20000: upper bound, fitted to the budget]
 # T_LR [3e-3] T_WARMUP [200] VOCAB [8192] D_VOCAB [4096] D_BATCH [32] D_TTT [5]
-# D_LR [1e-3] D_WARMUP [100] D_SEQS [8192 sequences of SEQ_LEN for draft features]
+# D_LR [2e-3] D_WARMUP [100] D_SEQS [8192 sequences of SEQ_LEN for draft features]
 # D_CALIB_STEPS [40] D_LABEL_MODE [soft: train_draft.py --label-mode, hard|soft]
+# D_AUX_LAYERS [the trainer's: EAGLE-3 feature layers as layer OUTPUT ids, e.g. "1 4 6"]
+# D_INTERMEDIATE [2048: the draft MLP width; empty = the target's]
+# D_LM_HEAD [target: train_draft.py --lm-head; target = the target's head over the whole
+# vocabulary (D_VOCAB ignored), own = a trained head over D_VOCAB tokens]
 # MAX_TOTAL_MB [40] T_EXTRA_ARGS [more train_target.py flags].
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -50,9 +57,11 @@ T_KV_HEADS=${T_KV_HEADS:-2}; T_INTERMEDIATE=${T_INTERMEDIATE:-1024}
 SEQ_LEN=${SEQ_LEN:-512}; T_BATCH=${T_BATCH:-64}; T_STEPS=${T_STEPS:-20000}
 T_LR=${T_LR:-3e-3}; T_WARMUP=${T_WARMUP:-200}; T_EVAL_EVERY=${T_EVAL_EVERY:-250}
 VOCAB=${VOCAB:-8192}; D_VOCAB=${D_VOCAB:-4096}; D_BATCH=${D_BATCH:-32}; D_TTT=${D_TTT:-5}
-D_LR=${D_LR:-1e-3}; D_WARMUP=${D_WARMUP:-100}; D_SEQS=${D_SEQS:-8192}
+D_LR=${D_LR:-2e-3}; D_WARMUP=${D_WARMUP:-100}; D_SEQS=${D_SEQS:-8192}
 D_CALIB_STEPS=${D_CALIB_STEPS:-40}; D_MAX_STEPS=${D_MAX_STEPS:-20000}
 D_LABEL_MODE=${D_LABEL_MODE:-soft}
+D_LM_HEAD=${D_LM_HEAD:-target}
+D_INTERMEDIATE=${D_INTERMEDIATE-2048}  # set but empty: the target's width
 MAX_TOTAL_MB=${MAX_TOTAL_MB:-40}
 
 mkdir -p "$OUT_DIR"/{logs,corpus} "$WORK_DIR"
@@ -107,22 +116,36 @@ record corpus "$S" "$("$PY" -c 'import json,sys; d=json.load(open(sys.argv[1]));
 
 # ------------------------------------------------------------------ 2. target
 S=$(now)
-rm -rf "$WORK_DIR/target_run"  # a fresh run (stale checkpoints would mix in)
-"$PY" "$REPO/scripts/train_target.py" --corpus "$CORPUS" --out "$WORK_DIR/target_run" \
-  --export-dir "$OUT_DIR/target" --layers "$T_LAYERS" --hidden "$T_HIDDEN" --heads "$T_HEADS" \
-  --kv-heads "$T_KV_HEADS" --intermediate "$T_INTERMEDIATE" --seq-len "$SEQ_LEN" \
-  --batch-size "$T_BATCH" --steps "$T_STEPS" --lr "$T_LR" --warmup "$T_WARMUP" \
-  --dtype bfloat16 --seed 0 --eval-every "$T_EVAL_EVERY" --save-every 1000 \
-  --time-budget-s "$TARGET_BUDGET_S" --fit-steps-to-budget --export-best --no-progress ${T_EXTRA_ARGS:-}
-[[ -f "$OUT_DIR/target/config.json" ]] || { echo "target training failed" >&2; exit 1; }
-cp "$WORK_DIR/target_run/train_log.json" "$OUT_DIR/logs/target_train_log.json"
-record target "$S" "$("$PY" -c 'import json,sys; f=json.load(open(sys.argv[1]))["final"]; print(json.dumps({k: f[k] for k in ("step","total_steps","heldout_loss","heldout_ppl","tokens_per_s","train_wall_s")}))' "$OUT_DIR/logs/target_train_log.json")"
+if [[ -n "${TARGET_DIR:-}" ]]; then  # retrain only the draft, on a target made before
+  [[ -f "$TARGET_DIR/config.json" ]] || { echo "TARGET_DIR=$TARGET_DIR has no config.json" >&2; exit 2; }
+  cmp -s "$TARGET_DIR/tokenizer.json" "$CORPUS/tokenizer.json" || {
+    echo "TARGET_DIR=$TARGET_DIR was not trained on CORPUS=$CORPUS (their tokenizer.json differ)" >&2
+    exit 2; }
+  [[ "$(cd "$TARGET_DIR" && pwd)" == "$OUT_DIR/target" ]] || { rm -rf "$OUT_DIR/target"; cp -r "$TARGET_DIR" "$OUT_DIR/target"; }
+  echo "== target: reusing $TARGET_DIR"
+  record target "$S" "{\"reused\": \"$TARGET_DIR\"}"
+else
+  rm -rf "$WORK_DIR/target_run"  # a fresh run (stale checkpoints would mix in)
+  "$PY" "$REPO/scripts/train_target.py" --corpus "$CORPUS" --out "$WORK_DIR/target_run" \
+    --export-dir "$OUT_DIR/target" --layers "$T_LAYERS" --hidden "$T_HIDDEN" --heads "$T_HEADS" \
+    --kv-heads "$T_KV_HEADS" --intermediate "$T_INTERMEDIATE" --seq-len "$SEQ_LEN" \
+    --batch-size "$T_BATCH" --steps "$T_STEPS" --lr "$T_LR" --warmup "$T_WARMUP" \
+    --dtype bfloat16 --seed 0 --eval-every "$T_EVAL_EVERY" --save-every 1000 \
+    --time-budget-s "$TARGET_BUDGET_S" --fit-steps-to-budget --export-best --no-progress ${T_EXTRA_ARGS:-}
+  [[ -f "$OUT_DIR/target/config.json" ]] || { echo "target training failed" >&2; exit 1; }
+  cp "$WORK_DIR/target_run/train_log.json" "$OUT_DIR/logs/target_train_log.json"
+  record target "$S" "$("$PY" -c 'import json,sys; f=json.load(open(sys.argv[1]))["final"]; print(json.dumps({k: f[k] for k in ("step","total_steps","heldout_loss","heldout_ppl","tokens_per_s","train_wall_s")}))' "$OUT_DIR/logs/target_train_log.json")"
+fi
 
 # ------------------------------------------------------------------ 3. draft
 S=$(now)
 LEFT=$("$PY" -c "import sys; print(min(float(sys.argv[1]), float(sys.argv[2]) - float(sys.argv[3]) - 20))" \
   "$DRAFT_BUDGET_S" "$TOTAL_BUDGET_S" "$(elapsed)")
 echo "== draft: stage budget $LEFT s"
+if [[ "$D_LM_HEAD" == target ]]; then  # the target's head: the whole vocabulary
+  D_VOCAB=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_size"])' \
+    "$OUT_DIR/target/config.json")
+fi
 DRAFT_JSONL="$WORK_DIR/draft_corpus.jsonl"
 "$PY" -c "
 import sys
@@ -134,9 +157,16 @@ DATA_DIR="$WORK_DIR/draft_data"
 COMMON=(--target "$OUT_DIR/target" --corpus "$DRAFT_JSONL" --data-dir "$DATA_DIR"
         --algorithm EAGLE3 --batch-size "$D_BATCH" --seq-len "$SEQ_LEN" --lr "$D_LR"
         --warmup "$D_WARMUP" --draft-vocab-size "$D_VOCAB" --ttt-steps "$D_TTT"
-        --label-mode "$D_LABEL_MODE"
+        --label-mode "$D_LABEL_MODE" --lm-head "$D_LM_HEAD"
         --dtype float32 --target-dtype bfloat16 --max-sequences "$D_SEQS"
         --collect-batch-size 64 --chunk-sequences 512 --seed 0 --no-progress)
+if [[ -n "${D_INTERMEDIATE:-}" ]]; then
+  COMMON+=(--intermediate-size "$D_INTERMEDIATE")
+fi
+if [[ -n "${D_AUX_LAYERS:-}" ]]; then
+  # shellcheck disable=SC2206
+  COMMON+=(--aux-layer-ids $D_AUX_LAYERS)
+fi
 rm -rf "$WORK_DIR/draft_calib" "$WORK_DIR/draft_run" "$DATA_DIR"  # features of THIS target
 P1=$(now)
 "$PY" "$REPO/scripts/train_draft.py" "${COMMON[@]}" --out "$WORK_DIR/draft_calib" \
@@ -171,10 +201,10 @@ record draft "$S" "{\"steps\": $D_STEPS}"
 
 # ------------------------------------------------------------------ 4. export + checks
 S=$(now)
-"$PY" - "$OUT_DIR" "$DRAFT_RUN/draft" "$MAX_TOTAL_MB" <<'EOF'
+"$PY" - "$OUT_DIR" "$DRAFT_RUN/draft" "$MAX_TOTAL_MB" "$D_LM_HEAD" <<'EOF'
 import json, sys
 from eagle_jax.train.target import cast_checkpoint, checkpoint_size_report
-out, draft_src, max_mb = sys.argv[1], sys.argv[2], float(sys.argv[3])
+out, draft_src, max_mb, lm_head = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 cast_checkpoint(draft_src, f"{out}/draft", "bfloat16", max_shard_bytes=15 * 10**6)
 rep = checkpoint_size_report({"target": f"{out}/target", "draft": f"{out}/draft"})
 t = json.load(open(f"{out}/target/config.json"))
@@ -185,7 +215,7 @@ dv, dF = d.get("draft_vocab_size", V), d["intermediate_size"]
 layer = H * H * 2 + 2 * H * K * D + 3 * H * F + 2 * H          # attn q,o + k,v + mlp + norms
 expect_t = V * H + L * layer + H                                 # tied embedding + final norm
 expect_d = (3 * H * H + (2 * H * H + 2 * 2 * H * K * D + H * H) + 3 * H * dF + 3 * H
-            + H + dv * H)                                         # fc, attn(2H in), mlp, norms, head
+            + H + (dv * H if lm_head == "own" else 0))           # fc, attn(2H in), mlp, norms, head
 rep["expected_params"] = {"target": expect_t, "draft_float": expect_d}
 rep["expected_bf16_mb"] = {"target": round(2 * expect_t / 1e6, 2),
                            "draft": round(2 * expect_d / 1e6 + (8 * dv + V) / 1e6, 2)}

@@ -55,6 +55,11 @@ def parse_args(argv=None) -> TrainConfig:
                         "token; soft = KL to the target's temperature-1 distribution over "
                         "the draft vocabulary (better acceptance when sampling; the feature "
                         "cache also stores the target's final hidden states)")
+    p.add_argument("--lm-head", default="own", choices=["own", "target"],
+                   help="EAGLE-3 LM head: own = trained over the draft vocabulary "
+                        "(--draft-vocab-size); target = the target's head, frozen, over the "
+                        "whole vocabulary and left out of the checkpoint (the engine borrows "
+                        "it again)")
     p.add_argument("--eval-steps", type=int, default=None,
                    help="unroll steps measured at evaluation (default: --ttt-steps)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -85,7 +90,8 @@ def parse_args(argv=None) -> TrainConfig:
         tokenizer=a.tokenizer, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
         lr=a.lr, min_lr_ratio=a.min_lr_ratio, warmup=a.warmup, weight_decay=a.weight_decay,
         clip_norm=a.clip_norm, draft_vocab_size=a.draft_vocab_size, ttt_steps=a.ttt_steps,
-        ttt_decay=a.ttt_decay, label_mode=a.label_mode, eval_steps=a.eval_steps, dtype=a.dtype,
+        ttt_decay=a.ttt_decay, label_mode=a.label_mode, lm_head=a.lm_head,
+        eval_steps=a.eval_steps, dtype=a.dtype,
         target_dtype=a.target_dtype, eval_every=a.eval_every, save_every=a.save_every,
         log_every=a.log_every, eval_fraction=a.eval_fraction, eval_batches=a.eval_batches,
         max_sequences=a.max_sequences, chunk_sequences=a.chunk_sequences,
@@ -99,8 +105,9 @@ def parse_args(argv=None) -> TrainConfig:
 def main(argv=None) -> int:
     summary = train(parse_args(argv))
     summary.pop("draft", None)
-    print(json.dumps({k: summary[k] for k in ("step", "initial_eval_acc", "final_eval_acc",
-                                              "draft_dir", "resumed_from")}, indent=2))
+    keys = ("step", "initial_eval_acc", "final_eval_acc", "initial_eval_accept",
+            "final_eval_accept", "draft_dir", "resumed_from")
+    print(json.dumps({k: summary[k] for k in keys}, indent=2))
     return 0
 
 

@@ -10,6 +10,10 @@ request's temperature / top-k / top-p, by a chi-square test.
 False-alarm rate: each case rejects a correct sampler with probability ALPHA = 1e-3;
 the 4 cases together with probability < 0.4%. The seeds are fixed, so the outcome is
 deterministic: a correct engine passes every time.
+
+Efficiency: the rate at which the first draft token is accepted equals its exact value
+(sum_x min(p, q) for a token drawn from q, p(argmax q) for greedy drafting), again at
+false-alarm rate ALPHA per case.
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ def _chi_square_pvalue(counts, expected):
     return float(jax.scipy.special.gammaincc(dof / 2.0, stat / 2.0)), stat, dof
 
 
-def _sample(pair, method, temperature, top_k, top_p, hook=None):
+def _run(pair, method, temperature, top_k, top_p, max_tokens, hook=None):
+    """NUM_REQUESTS requests of PROMPT with distinct seeds -> (engine, {id: tokens})."""
     target, draft = pair
     engine = Engine(EngineConfig(
         model=target, draft_model=draft, speculative_algorithm="EAGLE3", num_steps=3,
@@ -87,17 +92,22 @@ def _sample(pair, method, temperature, top_k, top_p, hook=None):
         draft_probs_hook=hook)
     for i in range(NUM_REQUESTS):
         engine.add_request(str(i), PROMPT, SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3, seed=1000 + i,
-            ignore_eos=True))
+            temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
+            seed=1000 + i, ignore_eos=True))
     out = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert len(out) == NUM_REQUESTS and all(len(v) == 3 for v in out.values())
+    assert len(out) == NUM_REQUESTS and all(len(v) == max_tokens for v in out.values())
+    return engine, out
+
+
+def _sample(pair, method, temperature, top_k, top_p, hook=None):
+    engine, out = _run(pair, method, temperature, top_k, top_p, 3, hook)
     counts = np.zeros((VOCAB, VOCAB))
     for toks in out.values():
         counts[toks[1], toks[2]] += 1
-    expected = _exact_joint(target, temperature, TOP_K_ALL if top_k < 0 else top_k,
+    expected = _exact_joint(pair[0], temperature, TOP_K_ALL if top_k < 0 else top_k,
                             top_p) * NUM_REQUESTS
     return engine, counts, expected
 
@@ -125,3 +135,57 @@ def test_the_fit_test_detects_a_biased_sampler(pair):
     _, counts, expected = _sample(pair, "probabilistic", 1.0, -1, 1.0, hook=lambda q: q * 0.5)
     pvalue, _, _ = _chi_square_pvalue(counts.ravel(), expected.ravel())
     assert pvalue < ALPHA
+
+
+def _first_draft_acceptance(target_dir, draft_dir, method):
+    """The exact probability that the first draft token is accepted at temperature 1:
+    E_{t1 ~ p}[sum_x min(p(x | t1), q(x | t1))] when it is drawn from q (probabilistic),
+    E_{t1 ~ p}[p(argmax q | t1)] when it is q's argmax (greedy). q comes from the
+    training unroll's step 0, an implementation of the draft separate from the engine's
+    extend + proposal."""
+    from eagle_jax.models.draft_checkpoint import load_draft
+    from eagle_jax.train import unroll
+
+    target = load_decoder(target_dir, "float32")
+    draft = load_draft(draft_dir, target, "float32", use_kernels=False)
+    j = len(PROMPT) - 1  # row j: feature of the last prompt token, input token t1
+    x = jnp.asarray([PROMPT + [t1] for t1 in range(VOCAB)], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
+    out = target(x, pos, target.init_cache(*x.shape), aux_layers=draft.feature_layers)
+    p = np.asarray(jax.nn.softmax(out.logits, -1), np.float64)
+    p1, p2 = p[0, j], p[:, j + 1]  # p(t1), p(t2 | t1)
+    h = unroll.unrolled_forward(draft, x, out.aux_hidden, 1)[0][:, j]
+    q = np.asarray(jax.nn.softmax(draft.logits(h), -1), np.float64)  # [t1, Vd = V]
+    if method == "probabilistic":
+        accept = np.minimum(p2, q).sum(-1)
+    else:
+        accept = p2[np.arange(VOCAB), q.argmax(-1)]
+    return float(p1 @ accept)
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_first_draft_token_is_accepted_at_the_optimal_rate(pair, method):
+    """Rejection sampling accepts a token drawn from q with probability sum_x min(p, q),
+    the most any exact sampler can. A sampler that accepted less and made up for it in
+    the residual would still pass the fit test above, and so would drafting from a stale
+    or shifted draft state; both lower this rate. One speculative step per request
+    (max_tokens 2): the observed first-position acceptance of NUM_REQUESTS drafts is
+    checked against the exact rate at two-sided false-alarm rate ALPHA (normal
+    approximation of the binomial, z = 3.29)."""
+    engine, _ = _run(pair, method, 1.0, -1, 1.0, 2)
+    s = engine.stats
+    assert s.num_drafts == NUM_REQUESTS
+    rate = _first_draft_acceptance(*pair, method)
+    observed = s.accepted_per_pos[0] / s.num_drafts
+    tol = 3.29 * np.sqrt(rate * (1 - rate) / NUM_REQUESTS)
+    assert 0.05 < rate < 0.95  # a rate with room on both sides
+    assert abs(observed - rate) < tol, (observed, rate, tol)
+
+
+def test_the_rate_test_detects_an_under_accepting_sampler(pair):
+    """q scaled by 1.3 in the accept test (accepting with min(1, p / 1.3q)) lowers the
+    first-position rate by more than the tolerance above: that test has power."""
+    engine, _ = _run(pair, "probabilistic", 1.0, -1, 1.0, 2, hook=lambda q: q * 1.3)
+    rate = _first_draft_acceptance(*pair, "probabilistic")
+    observed = engine.stats.accepted_per_pos[0] / engine.stats.num_drafts
+    assert rate - observed > 3.29 * np.sqrt(rate * (1 - rate) / NUM_REQUESTS), (observed, rate)

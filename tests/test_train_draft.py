@@ -203,6 +203,45 @@ def test_step_labels():
     np.testing.assert_array_equal(valid[1][0], [True, True, True, True, False, False])
 
 
+def test_step_metrics_against_numpy(setup):
+    """Top-1 agreement and the expected rejection-sampling acceptance sum_x min(p, q) per
+    unroll step, against numpy over the target's full softmax (p of x_{j+s+2} at row
+    j + s + 1; target mass outside the 128-token draft vocabulary is never proposed)."""
+    target = load_decoder(setup["target"])
+    ddir = str(setup["root"] / "metrics_draft")
+    write_tiny_eagle3_draft(ddir, setup["target"], draft_vocab_size=128, seed=7)
+    draft = load_draft(ddir, target, use_kernels=False)
+    b, t, steps = 2, 10, 3
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, V, (b, t)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = target(tokens, pos, target.init_cache(b, t), aux_layers=draft.feature_layers)
+    full = np.asarray(out.logits, np.float64)  # [B, T, V]
+    ids = np.arange(128) + np.asarray(draft.d2t)
+    head = target.embed_tokens if target.lm_head is None else target.lm_head
+    batch = dict(tokens=tokens, features=out.aux_hidden, top=jnp.argmax(out.logits, -1),
+                 target_hidden=out.hidden, target_lse=jax.nn.logsumexp(out.logits, -1))
+    got = unroll.step_metrics(draft, batch, steps, jnp.take(head.weight.get_value(), ids, 0))
+    assert set(got) == {"correct", "count", "accept"}
+
+    outs = unroll.unrolled_forward(draft, tokens, out.aux_hidden, steps)
+    p_full = np.exp(full - full.max(-1, keepdims=True))
+    p_full /= p_full.sum(-1, keepdims=True)
+    for s in range(steps):
+        logits = np.asarray(draft.logits(outs[s]), np.float64)
+        q = np.exp(logits - logits.max(-1, keepdims=True))
+        q /= q.sum(-1, keepdims=True)
+        rows = t - s - 1  # rows j with a label x_{j+s+2}
+        p = p_full[:, s + 1:, ids]  # [B, rows, 128]
+        accept = np.minimum(p, q[:, :rows]).sum(-1)
+        agree = ids[q[:, :rows].argmax(-1)] == full[:, s + 1:].argmax(-1)
+        assert int(got["count"][s]) == b * rows
+        assert int(got["correct"][s]) == int(agree.sum())
+        np.testing.assert_allclose(float(got["accept"][s]), accept.sum(), rtol=1e-4)
+        assert 0.0 < accept.min() and accept.max() < 1.0
+    # without the target's hidden states: top-1 agreement only
+    assert set(unroll.step_metrics(draft, batch, steps)) == {"correct", "count"}
+
+
 # ------------------------------------------------------------------------ training
 
 
@@ -268,11 +307,43 @@ def test_eagle3_soft_label_training_via_script(setup, capsys):
     before, after = summary["initial_eval_acc"], summary["final_eval_acc"]
     assert max(before) < 0.05, before
     assert min(after) > 0.5, after  # every unroll step
+    # the expected acceptance of a sampled draft token at T=1 rises at every step
+    before, after = summary["initial_eval_accept"], summary["final_eval_accept"]
+    assert len(after) == 3 and max(before) < 0.2 and min(after) > 0.4, (before, after)
     with open(os.path.join(out, "data", "meta.json")) as f:
         assert json.load(f)["target_hidden"] is True
     losses = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     losses = [l["loss"] for l in losses if "loss" in l]
     assert losses[-1] < losses[0], losses
+
+
+def test_eagle3_borrowing_the_target_head(setup):
+    """lm_head="target": the draft trains with the target's head frozen over the whole
+    vocabulary, its checkpoint leaves the head out, and loading borrows it again."""
+    from eagle_jax.checkpoint import CheckpointReader
+
+    out = str(setup["root"] / "run_e3_target_head")
+    common = dict(target=setup["target"], corpus=setup["corpus"], algorithm="EAGLE3",
+                  batch_size=8, seq_len=SEQ, lr=3e-3, warmup=20, ttt_steps=2,
+                  label_mode="soft", lm_head="target", save_every=0, eval_fraction=0.1,
+                  collect_batch_size=20, progress=False)
+    summary = train(TrainConfig(out=out, steps=100, eval_every=100, **common))
+    assert max(summary["initial_eval_accept"]) < 0.2
+    assert min(summary["final_eval_acc"]) > 0.5 and min(summary["final_eval_accept"]) > 0.4
+    reader = CheckpointReader(summary["draft_dir"])
+    assert "lm_head.weight" not in reader.keys() and "d2t" in reader.keys()
+    target = load_decoder(setup["target"])
+    draft = load_draft(summary["draft_dir"], target)
+    assert draft.lm_head is None and draft.draft_vocab_size == V and draft.d2t is None
+    np.testing.assert_array_equal(draft.lm_head_weight(), target.embed_tokens.weight.get_value()
+                                  if target.lm_head is None else target.lm_head.weight.get_value())
+    trained = summary["draft"]
+    h = jnp.asarray(np.random.default_rng(9).normal(size=(3, draft.config.hidden_size)),
+                    jnp.float32)
+    np.testing.assert_allclose(draft.logits(h), trained.logits(h), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="whole target vocabulary"):
+        train(TrainConfig(out=str(setup["root"] / "bad_head"), steps=1, draft_vocab_size=200,
+                          **common))
 
 
 def test_resume_continues_from_saved_step(setup):

@@ -555,13 +555,15 @@ Draft = Eagle1Draft | Eagle3Draft
 
 def new_draft(cfg: DraftConfig, *, target_embed: Array, target_lm_head: Array,
               d2t: Array | None = None, dtype=jnp.float32, seed: int = 0, init_std: float = 0.02,
-              use_kernels: bool = True) -> Draft:
+              use_kernels: bool = True, own_lm_head: bool = True) -> Draft:
     """A randomly initialised draft bound to the target's arrays (for training).
 
     Projections ~ N(0, init_std) (biases 0, norms 1), drawn with numpy (no per-shape
     compilations). EAGLE-3 gets its own reduced-vocabulary LM head, initialised from the
     target's rows of the draft vocabulary when the hidden sizes agree (a good starting
-    point); the embedding is always the target's (frozen, as in the published recipes).
+    point), unless ``own_lm_head=False``: then it borrows the target's head (frozen, the
+    whole vocabulary, so ``cfg.draft_vocab_size`` must be the target's and ``d2t`` None).
+    The embedding is always the target's (frozen, as in the published recipes).
     """
     import numpy as np
 
@@ -570,7 +572,7 @@ def new_draft(cfg: DraftConfig, *, target_embed: Array, target_lm_head: Array,
             cfg, own_embed=False, dtype=dtype, rngs=nnx.Rngs(0), use_kernels=use_kernels))
     else:
         draft = nnx.eval_shape(lambda: Eagle3Draft(
-            cfg, own_embed=False, own_lm_head=True, dtype=dtype, rngs=nnx.Rngs(0),
+            cfg, own_embed=False, own_lm_head=own_lm_head, dtype=dtype, rngs=nnx.Rngs(0),
             use_kernels=use_kernels))
     rng = np.random.default_rng(seed)
     for path, var in nnx.iter_graph(draft):
@@ -586,6 +588,12 @@ def new_draft(cfg: DraftConfig, *, target_embed: Array, target_lm_head: Array,
         var.set_value(jnp.asarray(value, dtype))
     if cfg.kind == EAGLE:
         draft.bind_target(target_embed, target_lm_head)
+        return draft
+    if not own_lm_head:
+        if d2t is not None:
+            raise ValueError("a draft that borrows the target's LM head predicts over the "
+                             "whole target vocabulary: no d2t")
+        draft.bind_target(target_embed, target_lm_head, None)
         return draft
     if target_lm_head.shape[1] == cfg.hidden_size:
         ids = np.arange(cfg.draft_vocab_size) + (0 if d2t is None else np.asarray(d2t))

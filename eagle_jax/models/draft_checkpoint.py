@@ -186,19 +186,21 @@ def vocab_maps(d2t: np.ndarray | None, draft_vocab_size: int,
     return d2t, t2d
 
 
-def save_draft(draft: Draft, out_dir: str, dtype=None) -> None:
+def save_draft(draft: Draft, out_dir: str, dtype=None, *, write_target_head: bool = True) -> None:
     """Writes ``config.json`` + ``model.safetensors`` in the published layout.
 
-    EAGLE-3 always gets ``lm_head.weight`` (the target's head is written out when the
-    draft borrowed it), ``d2t`` (int64) and ``t2d`` (bool); the embedding is written only
-    when the draft owns one. EAGLE-1's config says ``LlamaForCausalLMEagle`` (sglang's
+    EAGLE-3 gets ``lm_head.weight`` (the target's head is written out when the draft
+    borrowed it, unless ``write_target_head=False``: then the checkpoint has no head and
+    ``load_draft`` borrows the target's again, as sglang's ``load_lm_head_from_target``),
+    ``d2t`` (int64) and ``t2d`` (bool); the embedding is written only when the draft owns
+    one. EAGLE-1's config says ``LlamaForCausalLMEagle`` (sglang's
     class; ``load_draft`` also accepts the plain ``LlamaForCausalLM`` of the originals).
     """
     os.makedirs(out_dir, exist_ok=True)
     cfg = draft.config
     tensors = module_tensors(draft, dotted, None if dtype is None else resolve_dtype(dtype))
     if draft.kind == EAGLE3:
-        if draft.lm_head is None and not cfg.tie_word_embeddings:
+        if draft.lm_head is None and not cfg.tie_word_embeddings and write_target_head:
             w = np.asarray(jax.device_get(draft.lm_head_weight()))
             tensors["lm_head.weight"] = w if dtype is None else w.astype(resolve_dtype(dtype))
         d2t = None if draft.d2t is None else np.asarray(jax.device_get(draft.d2t))

@@ -26,6 +26,12 @@ cache then also holds the target's final-norm hidden state (bf16) and its full-v
 logsumexp per position, and the step recomputes the target's draft-vocabulary logits as
 ``hidden @ lm_head[draft ids].T`` (the [Vd, H] slice gathered once); a hard-label cache is
 collected again for a soft run.
+
+LM head (EAGLE-3, ``lm_head``): "own" trains a head over the draft vocabulary (the
+``draft_vocab_size`` most frequent target tokens; the target mass outside it can never
+be proposed, a ceiling on acceptance when sampling); "target" borrows the target's head,
+frozen, over the whole vocabulary, and the saved checkpoint leaves it out (the engine
+borrows it again), which also makes the draft smaller by V x H.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class TrainConfig:
     ttt_steps: int = 3  # EAGLE-3 unroll length (7 in published recipes)
     ttt_decay: float = 0.8
     label_mode: str = "hard"  # EAGLE-3: "hard" (target top-1 CE) or "soft" (target distribution KL)
+    lm_head: str = "own"  # EAGLE-3: "own" (trained, over the draft vocabulary) or "target" (borrowed)
     eagle1_v_weight: float = 1.0
     eagle1_p_weight: float = 0.1
     eagle1_noise: float = 0.0
@@ -187,7 +194,12 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.label_mode == "soft" and cfg.algorithm != EAGLE3:
         raise ValueError("label_mode='soft' is for EAGLE3 (EAGLE-1's loss already uses the "
                          "target's distribution)")
+    if cfg.lm_head not in ("own", "target"):
+        raise ValueError(f"lm_head must be 'own' or 'target', got {cfg.lm_head!r}")
+    if cfg.lm_head == "target" and cfg.algorithm != EAGLE3:
+        raise ValueError("lm_head='target' is for EAGLE3 (EAGLE-1 always borrows the target's head)")
     soft = cfg.label_mode == "soft"
+    own_head = cfg.lm_head == "own"
     os.makedirs(cfg.out, exist_ok=True)
     dtype = resolve_dtype(cfg.dtype)
     target = load_decoder(cfg.target, cfg.target_dtype or cfg.dtype)
@@ -205,13 +217,17 @@ def train(cfg: TrainConfig) -> dict:
 
     d2t = None
     if cfg.algorithm == EAGLE3 and cfg.draft_vocab_size and cfg.draft_vocab_size < tcfg.vocab_size:
+        if not own_head:
+            raise ValueError(f"lm_head='target' predicts over the whole target vocabulary "
+                             f"({tcfg.vocab_size}); drop draft_vocab_size={cfg.draft_vocab_size}")
         d2t = data_lib.build_vocab_map(store.counts, cfg.draft_vocab_size)
     dcfg = draft_config_for(tcfg, cfg, None if d2t is None else d2t.size)
     embed = target.embed_tokens.weight.get_value().astype(dtype)
     head = (target.embed_tokens if target.lm_head is None else target.lm_head).weight.get_value()
     draft = new_draft(dcfg, target_embed=embed, target_lm_head=head.astype(dtype),
                       d2t=None if d2t is None else jnp.asarray(d2t), dtype=dtype, seed=cfg.seed,
-                      use_kernels=False)  # Pallas kernels have no VJP: the jnp path trains
+                      use_kernels=False,  # Pallas kernels have no VJP: the jnp path trains
+                      own_lm_head=own_head)
     # soft labels: the target LM head's rows of the draft vocabulary, [Vd, H], in the
     # target's dtype (the target's logits are recomputed exactly from the cached hidden)
     target_head = None
@@ -256,24 +272,29 @@ def train(cfg: TrainConfig) -> dict:
 
     @jax.jit
     def eval_step(params, rest, batch):
-        return unroll.step_accuracy(nnx.merge(graphdef, params, rest), batch, eval_steps)
+        return unroll.step_metrics(nnx.merge(graphdef, params, rest), batch, eval_steps,
+                                   target_head=target_head)
 
-    def device_batch(idx, train=False):  # host -> shards, one transfer
-        return jax.device_put(store.get(idx, with_target_hidden=train and soft), sharded)
+    def device_batch(idx):  # host -> shards, one transfer
+        return jax.device_put(store.get(idx, with_target_hidden=soft), sharded)
 
-    def evaluate(params):
+    def evaluate(params) -> dict | None:
+        """Held-out per-step top-1 agreement ("eval_acc") and, for soft-label data, the
+        expected acceptance of a sampled draft token ("eval_accept", ``step_metrics``)."""
         if eval_pool.size == 0:
             return None
-        correct = np.zeros(eval_steps)
-        count = np.zeros(eval_steps)
+        sums: dict[str, np.ndarray] = {}
         for i in range(cfg.eval_batches):
             idx = eval_pool[np.arange(i * cfg.batch_size, (i + 1) * cfg.batch_size) % eval_pool.size]
-            c, k = jax.device_get(eval_step(params, rest, device_batch(idx)))
-            correct += c
-            count += k
+            for k, v in jax.device_get(eval_step(params, rest, device_batch(idx))).items():
+                sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
             if (i + 1) * cfg.batch_size >= eval_pool.size:
                 break
-        return [float(x) for x in correct / np.maximum(count, 1)]
+        count = np.maximum(sums.pop("count"), 1)
+        out = dict(eval_acc=[float(x) for x in sums["correct"] / count])
+        if "accept" in sums:
+            out["eval_accept"] = [float(x) for x in sums["accept"] / count]
+        return out
 
     log_path = os.path.join(cfg.out, "metrics.jsonl")
 
@@ -282,17 +303,16 @@ def train(cfg: TrainConfig) -> dict:
             f.write(json.dumps(record) + "\n")
 
     history = []
-    initial_acc = evaluate(params) if start == 0 and cfg.eval_every else None
-    if initial_acc is not None:
-        log(dict(step=0, eval_acc=initial_acc))
-        history.append(dict(step=0, eval_acc=initial_acc))
+    initial = evaluate(params) if start == 0 and cfg.eval_every else None
+    if initial is not None:
+        log(dict(step=0, **initial))
+        history.append(dict(step=0, **initial))
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train draft",
                disable=not cfg.progress)
     t0 = time.time()
     for step in bar:
-        batch = device_batch(_batch_indices(cfg.seed, step, train_pool, cfg.batch_size),
-                             train=True)
+        batch = device_batch(_batch_indices(cfg.seed, step, train_pool, cfg.batch_size))
         params, opt_state, m = train_step(params, opt_state, rest, batch, jnp.int32(step))
         done = step + 1
         if done % cfg.log_every == 0 or done == end:
@@ -302,12 +322,15 @@ def train(cfg: TrainConfig) -> dict:
             bar.set_postfix(loss=f"{rec['loss']:.4f}")
             log(rec)
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-            acc = evaluate(params)
-            if acc is not None:
-                log(dict(step=done, eval_acc=acc))
-                history.append(dict(step=done, eval_acc=acc))
+            ev = evaluate(params)
+            if ev is not None:
+                log(dict(step=done, **ev))
+                history.append(dict(step=done, **ev))
                 bar.write(f"step {done}: draft top-1 accuracy per step " +
-                          " ".join(f"{a:.3f}" for a in acc))
+                          " ".join(f"{a:.3f}" for a in ev["eval_acc"]) +
+                          ("; expected acceptance at T=1 " +
+                           " ".join(f"{a:.3f}" for a in ev["eval_accept"])
+                           if "eval_accept" in ev else ""))
         if cfg.save_every and (done % cfg.save_every == 0 or done in (cfg.steps, end)):
             common.save_state(common.step_dir(ckpt_root, done), params, opt_state,
                               dict(step=done, key=[int(k) for k in key_data], seed=cfg.seed,
@@ -317,7 +340,10 @@ def train(cfg: TrainConfig) -> dict:
 
     final = nnx.merge(graphdef, jax.device_get(params), jax.device_get(rest))
     draft_dir = os.path.join(cfg.out, "draft")
-    save_draft(final, draft_dir)
-    final_acc = history[-1]["eval_acc"] if history else None
-    return dict(step=max(start, end), initial_eval_acc=initial_acc, final_eval_acc=final_acc,
+    save_draft(final, draft_dir, write_target_head=own_head)
+    last = history[-1] if history else {}
+    first = initial or {}
+    return dict(step=max(start, end), initial_eval_acc=first.get("eval_acc"),
+                final_eval_acc=last.get("eval_acc"), initial_eval_accept=first.get("eval_accept"),
+                final_eval_accept=last.get("eval_accept"),
                 history=history, draft_dir=draft_dir, resumed_from=ckpt, draft=final)

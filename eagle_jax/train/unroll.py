@@ -215,20 +215,35 @@ def eagle1_loss(draft, batch: dict, *, v_weight: float = 1.0, p_weight: float = 
     return v_weight * vloss + p_weight * ploss, jnp.stack([vloss, ploss])
 
 
-def step_accuracy(draft, batch: dict, steps: int) -> tuple[Array, Array]:
-    """Top-1 agreement with the target per unroll step: (correct [steps], valid [steps]).
+def step_metrics(draft, batch: dict, steps: int,
+                 target_head: Array | None = None) -> dict[str, Array]:
+    """Held-out quality per unroll step, each [steps] (sums; divide by ``count``).
 
-    The draft's argmax (mapped to target ids through d2t) is compared with the target's
-    top-1 token; a target token outside the draft vocabulary counts as a miss.
+    ``correct``: the draft's argmax (mapped to target ids through d2t) equals the target's
+    top-1 token (a target token outside the draft vocabulary counts as a miss): the
+    acceptance of greedy drafting. ``count``: valid rows. With ``target_head`` [Vd, H] and
+    ``batch["target_hidden"]`` / ``batch["target_lse"]`` (soft-label data) also ``accept``:
+    sum_x min(p(x), q(x)) over the draft vocabulary, p the target's full-vocabulary
+    temperature-1 distribution and q the draft's: the probability that rejection sampling
+    accepts the draft's sampled token at this step, given the earlier steps were accepted.
     """
     outs = unrolled_forward(draft, batch["tokens"], batch["features"], steps)
     labels, valid = step_labels(batch["top"], steps)
     d2t = draft.d2t
-    correct, count = [], []
+    if target_head is not None:
+        t_logp = jnp.einsum("bth,vh->btv", batch["target_hidden"].astype(target_head.dtype),
+                            target_head, preferred_element_type=jnp.float32)
+        t_logp = t_logp - batch["target_lse"].astype(jnp.float32)[..., None]
+    out = dict(correct=[], count=[], accept=[])
     for s, h in enumerate(outs):
-        pred = jnp.argmax(draft.logits(h), axis=-1).astype(jnp.int32)
+        logits = draft.logits(h)
+        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if d2t is not None:
             pred = pred + jnp.take(d2t, pred)
-        correct.append(jnp.sum((pred == labels[s]) & valid[s]))
-        count.append(jnp.sum(valid[s]))
-    return jnp.stack(correct), jnp.stack(count)
+        out["correct"].append(jnp.sum((pred == labels[s]) & valid[s]))
+        out["count"].append(jnp.sum(valid[s]))
+        if target_head is not None:  # the target's distribution of x_{j+s+2}: row j + s + 1
+            p = jnp.exp(shift_left(t_logp, s + 1, -jnp.inf))
+            q = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+            out["accept"].append(jnp.sum(jnp.where(valid[s], jnp.sum(jnp.minimum(p, q), -1), 0.0)))
+    return {k: jnp.stack(v) for k, v in out.items() if v}
