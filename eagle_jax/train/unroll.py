@@ -151,6 +151,14 @@ def soft_label_kl(logits: Array, target_logits: Array, target_lse: Array | None,
     return jnp.sum(w * kl) / jnp.where(total > 0, total, 1.0)
 
 
+def target_logits(batch: dict, target_head: Array) -> Array:
+    """The target's logits at the draft vocabulary's ids, float32 [B, T, Vd], recomputed
+    from the cached final hidden states ``batch["target_hidden"]`` [B, T, H] and the
+    target LM head's rows of those ids, ``target_head`` [Vd, H]."""
+    return jnp.einsum("bth,vh->btv", batch["target_hidden"].astype(target_head.dtype),
+                      target_head, preferred_element_type=jnp.float32)
+
+
 def eagle3_loss(draft, batch: dict, steps: int, t2d_ids: Array, decay: float = 0.8, *,
                 label_mode: str = "hard", target_head: Array | None = None):
     """Training-time-test loss: sum_s decay^s * loss_s(draft logits at step s).
@@ -169,9 +177,7 @@ def eagle3_loss(draft, batch: dict, steps: int, t2d_ids: Array, decay: float = 0
         if target_head is None or "target_hidden" not in batch:
             raise ValueError("soft labels need target_head and batch['target_hidden'] / "
                              "batch['target_lse']")
-        hid = batch["target_hidden"]
-        t_logits = jnp.einsum("bth,vh->btv", hid.astype(target_head.dtype), target_head,
-                              preferred_element_type=jnp.float32)
+        t_logits = target_logits(batch, target_head)
         t_lse = batch["target_lse"]
     elif label_mode != "hard":
         raise ValueError(f"label_mode must be 'hard' or 'soft', got {label_mode!r}")
@@ -231,9 +237,8 @@ def step_metrics(draft, batch: dict, steps: int,
     labels, valid = step_labels(batch["top"], steps)
     d2t = draft.d2t
     if target_head is not None:
-        t_logp = jnp.einsum("bth,vh->btv", batch["target_hidden"].astype(target_head.dtype),
-                            target_head, preferred_element_type=jnp.float32)
-        t_logp = t_logp - batch["target_lse"].astype(jnp.float32)[..., None]
+        t_logp = (target_logits(batch, target_head)
+                  - batch["target_lse"].astype(jnp.float32)[..., None])
     out = dict(correct=[], count=[], accept=[])
     for s, h in enumerate(outs):
         logits = draft.logits(h)
