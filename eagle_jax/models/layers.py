@@ -196,16 +196,21 @@ class Attention(nnx.Module):
         Returns ([B, T, hidden], updated cache).
         """
         bsz, t, _ = x.shape
+        q, k, v = self.qkv(x, positions, inv_freq)
+        cache = write_kv(cache, layer, k, v, positions, slots)
+        out = cached_attention(q, cache, layer, positions, slots)
+        return self.o_proj(out.reshape(bsz, t, -1)), cache
+
+    def qkv(self, x: Array, positions: Array, inv_freq: Array) -> tuple[Array, Array, Array]:
+        """x: [B, T, in] -> q [B, T, N, D], k and v [B, T, K, D]: projected, q/k-normed
+        (Qwen3) and rotated at ``positions`` [B, T]."""
+        bsz, t, _ = x.shape
         q = self.q_proj(x).reshape(bsz, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(bsz, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(bsz, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        cache = write_kv(cache, layer, k, v, positions, slots)
-        out = cached_attention(q, cache, layer, positions, slots)
-        return self.o_proj(out.reshape(bsz, t, -1)), cache
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 class MLP(nnx.Module):

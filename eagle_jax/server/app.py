@@ -674,22 +674,38 @@ class OpenAIServer:
     def _sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def _completion_stream(self, request_id, created, choices, echo, req,
-                                 num_prompt_tokens, include_usage):
-        base = {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name}
+    async def _sse_stream(self, base: dict, choices: list[_Choice], num_prompt_tokens: int,
+                          include_usage: bool, chunks: AsyncIterator[dict]):
+        """The SSE framing both streams share: one chunk per choice dict from ``chunks``,
+        then the usage chunk (``stream_options.include_usage``), an error chunk when the
+        engine failed the request, and ``[DONE]``. The choices are aborted however the
+        stream ends (a client disconnect included)."""
         extra = {"usage": None} if include_usage else {}
         try:
-            if req.echo:
-                for c in choices:
-                    text, lp = echo[c.index // req.n]
-                    yield self._sse({**base, "choices": [{
-                        "index": c.index, "text": text, "logprobs": lp,
-                        "finish_reason": None, "stop_reason": None}], **extra})
+            async with contextlib.aclosing(chunks):
+                async for choice in chunks:
+                    yield self._sse({**base, "choices": [choice], **extra})
+            if include_usage:
+                yield self._sse({**base, "choices": [],
+                                 "usage": _usage(num_prompt_tokens, choices)})
+        except RequestFailedError as e:
+            yield self._sse(APIError(500, str(e)).body())
+        finally:
+            self.abort_all(choices)
+        yield "data: [DONE]\n\n"
+
+    def _completion_stream(self, request_id, created, choices, echo, req, num_prompt_tokens,
+                           include_usage):
+        base = {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.model_name}
+
+        async def chunks():
             offsets = {c.index: 0 for c in choices}
             if req.echo:
                 for c in choices:
-                    _, lp = echo[c.index // req.n]
+                    text, lp = echo[c.index // req.n]
+                    yield {"index": c.index, "text": text, "logprobs": lp,
+                           "finish_reason": None, "stop_reason": None}
                     if lp and lp["tokens"]:
                         offsets[c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             async for c, out in self._merged(choices):
@@ -703,18 +719,11 @@ class OpenAIServer:
                         offsets[c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 if not out.new_token_ids and not out.new_text and not out.finished:
                     continue
-                yield self._sse({**base, "choices": [{
-                    "index": c.index, "text": out.new_text, "logprobs": lp,
-                    "finish_reason": out.finish_reason if out.finished else None,
-                    "stop_reason": out.stop_reason if out.finished else None}], **extra})
-            if include_usage:
-                yield self._sse({**base, "choices": [],
-                                 "usage": _usage(num_prompt_tokens, choices)})
-        except RequestFailedError as e:
-            yield self._sse(APIError(500, str(e)).body())
-        finally:
-            self.abort_all(choices)
-        yield "data: [DONE]\n\n"
+                yield {"index": c.index, "text": out.new_text, "logprobs": lp,
+                       "finish_reason": out.finish_reason if out.finished else None,
+                       "stop_reason": out.stop_reason if out.finished else None}
+
+        return self._sse_stream(base, choices, num_prompt_tokens, include_usage, chunks())
 
     # ---------------------------------------------------------------- chat
     async def chat_completions(self, request: Request) -> Response:
@@ -768,16 +777,15 @@ class OpenAIServer:
             "model": self.model_name, "choices": out, "usage": _usage(len(ids), choices),
         })
 
-    async def _chat_stream(self, request_id, created, choices, num_top, num_prompt_tokens,
-                           include_usage, as_ids=False):
+    def _chat_stream(self, request_id, created, choices, num_top, num_prompt_tokens,
+                     include_usage, as_ids=False):
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
-        extra = {"usage": None} if include_usage else {}
-        try:
+
+        async def chunks():
             for c in choices:
-                yield self._sse({**base, "choices": [{
-                    "index": c.index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}], **extra})
+                yield {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                       "logprobs": None, "finish_reason": None}
             async for c, out in self._merged(choices):
                 self._absorb(c, out)
                 if not out.new_token_ids and not out.new_text and not out.finished:
@@ -786,18 +794,11 @@ class OpenAIServer:
                 if num_top is not None and out.new_logprobs is not None:
                     lp = self.chat_logprobs(out.new_logprobs, num_top, as_ids)
                 delta = {"content": out.new_text} if (out.new_text or not out.finished) else {}
-                yield self._sse({**base, "choices": [{
-                    "index": c.index, "delta": delta, "logprobs": lp,
-                    "finish_reason": out.finish_reason if out.finished else None,
-                    "stop_reason": out.stop_reason if out.finished else None}], **extra})
-            if include_usage:
-                yield self._sse({**base, "choices": [],
-                                 "usage": _usage(num_prompt_tokens, choices)})
-        except RequestFailedError as e:
-            yield self._sse(APIError(500, str(e)).body())
-        finally:
-            self.abort_all(choices)
-        yield "data: [DONE]\n\n"
+                yield {"index": c.index, "delta": delta, "logprobs": lp,
+                       "finish_reason": out.finish_reason if out.finished else None,
+                       "stop_reason": out.stop_reason if out.finished else None}
+
+        return self._sse_stream(base, choices, num_prompt_tokens, include_usage, chunks())
 
     # ------------------------------------------------------------ other routes
     def models(self) -> dict:

@@ -11,7 +11,6 @@ Training is deterministic and takes well under a second.
 
 from __future__ import annotations
 
-import json
 import os
 
 SPECIAL_TOKENS = (
@@ -116,53 +115,11 @@ def write_test_tokenizer(
     ``vocab_size`` must be at least 256 + len(SPECIAL_TOKENS) (the byte alphabet and the
     special tokens).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from eagle_jax.train.corpus import save_hf_tokenizer, train_byte_level_bpe
 
-    minimum = 256 + len(SPECIAL_TOKENS)
-    if vocab_size < minimum:
-        raise ValueError(
-            f"vocab_size must be >= {minimum} (256 byte symbols + {len(SPECIAL_TOKENS)} "
-            f"special tokens), got {vocab_size}"
-        )
     out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS], trainer=trainer)
-    size = tok.get_vocab_size(with_added_tokens=True)
-    extra = [f"<|extra_{i}|>" for i in range(vocab_size - size)]
-    if extra:
-        from tokenizers import AddedToken
-
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
-    assert tok.get_vocab_size(with_added_tokens=True) == vocab_size, (
-        tok.get_vocab_size(with_added_tokens=True),
-        vocab_size,
-    )
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-
-    added = {
-        str(tok.token_to_id(t)): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in list(SPECIAL_TOKENS) + extra
-    }
+    tok = train_byte_level_bpe([CORPUS], vocab_size, SPECIAL_TOKENS, min_frequency=1)
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
@@ -170,11 +127,8 @@ def write_test_tokenizer(
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 2048,
-        "added_tokens_decoder": added,
     }
     if with_chat_template:
         config["chat_template"] = CHAT_TEMPLATE
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    save_hf_tokenizer(tok, out_dir, config)
     return out_dir

@@ -98,18 +98,22 @@ def collect_files(roots: Sequence[str], max_file_bytes: int = 200_000
     return sorted(files.items()), skipped
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str):
-    """Trains the byte-level BPE on ``texts`` and writes the tokenizer files."""
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str],
+                         *, min_frequency: int = 2):
+    """A byte-level BPE (GPT-2 pre-tokenisation, no prefix space) trained on ``texts``,
+    with ``special_tokens`` first (ids 0..) and padded with ``<|extra_i|>`` special tokens
+    to exactly ``vocab_size`` ids. Returns a ``tokenizers.Tokenizer``."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    minimum = 256 + len(SPECIAL_TOKENS)
-    if not minimum <= vocab_size <= 65536:
-        raise ValueError(f"vocab_size must be in [{minimum}, 65536] (uint16 ids), got {vocab_size}")
+    minimum = 256 + len(special_tokens)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be >= {minimum} (256 byte symbols + "
+                         f"{len(special_tokens)} special tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     size = tok.get_vocab_size(with_added_tokens=True)
@@ -117,16 +121,32 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str):
     if extra:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
     assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
-    assert tok.token_to_id(EOS_TOKEN) == 0
+    return tok
+
+
+def save_hf_tokenizer(tok, out_dir: str, config: dict) -> None:
+    """Writes ``tokenizer.json`` and a ``tokenizer_config.json`` (PreTrainedTokenizerFast,
+    every added token in ``added_tokens_decoder``, then ``config``'s entries)."""
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     added = {
-        str(tok.token_to_id(t)): dict(content=t, lstrip=False, normalized=False, rstrip=False,
-                                      single_word=False, special=True)
-        for t in list(SPECIAL_TOKENS) + extra
+        str(i): dict(content=t.content, lstrip=False, normalized=False, rstrip=False,
+                     single_word=False, special=True)
+        for i, t in sorted(tok.get_added_tokens_decoder().items())
     }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
+    full = {"tokenizer_class": "PreTrainedTokenizerFast", **config, "added_tokens_decoder": added}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(full, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str):
+    """Trains the corpus's byte-level BPE on ``texts`` and writes the tokenizer files."""
+    if vocab_size > 65536:
+        raise ValueError(f"vocab_size must be <= 65536 (uint16 ids), got {vocab_size}")
+    tok = train_byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS)
+    assert tok.token_to_id(EOS_TOKEN) == 0
+    save_hf_tokenizer(tok, out_dir, {
         "bos_token": EOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
@@ -135,12 +155,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str):
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 2048,
-        "added_tokens_decoder": added,
         "chat_template": CHAT_TEMPLATE,
-    }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    })
     return tok
 
 

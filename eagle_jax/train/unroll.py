@@ -23,19 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.models.layers import Attention, apply_rope
-
 Array = jax.Array
-
-
-def _qkv(attn: Attention, x: Array, positions: Array, inv_freq: Array):
-    b, t, _ = x.shape
-    q = attn.q_proj(x).reshape(b, t, attn.num_heads, attn.head_dim)
-    k = attn.k_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(x).reshape(b, t, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def ttt_attention(q: Array, keys: list[Array], values: list[Array]) -> Array:
@@ -86,7 +74,7 @@ def unrolled_forward(draft, tokens: Array, features: Array, steps: int) -> list[
         positions = base + s
 
         def attend(i, attn, x, carry, positions=positions):
-            q, k, v = _qkv(attn, x, positions, inv_freq)
+            q, k, v = attn.qkv(x, positions, inv_freq)
             ks, vs = carry[i]
             ks.append(k)
             vs.append(v)
