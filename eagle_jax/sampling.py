@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 # "No top-k filter". Larger than any vocabulary; a positive value so that a padded row
@@ -138,36 +139,56 @@ class SamplingParams:
         return float(self.temperature), top_k, float(self.top_p), float(self.min_p)
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingTensors:
-    """Per-row sampling parameters, the form the jitted step consumes.
+class SamplingRows(NamedTuple):
+    """Per-row sampling parameters: the one value every sampler of the step takes whole.
 
-    Shapes: every field is [B]. Padded rows hold temperature 1, top_k TOP_K_ALL,
-    top_p 1, min_p 0 (the identity filter, never greedy).
+    Fields are [B] arrays (numpy on the host, jax inside a step; a NamedTuple is a pytree,
+    so the value travels through jit and sits in ``DecodeState`` as one field). Padded
+    rows hold temperature 1, top_k TOP_K_ALL, top_p 1, min_p 0: the identity filter,
+    never greedy (a padded row can never read as ``top_k <= 1``, seed 001).
     """
 
     temperature: np.ndarray  # f32
-    top_k: np.ndarray  # i32
+    top_k: np.ndarray  # i32, TOP_K_ALL = no filter, <= 1 = greedy
     top_p: np.ndarray  # f32
     min_p: np.ndarray  # f32
 
     @classmethod
-    def padded(cls, batch: int) -> "SamplingTensors":
-        return cls(
-            temperature=np.ones((batch,), np.float32),
-            top_k=np.full((batch,), TOP_K_ALL, np.int32),
-            top_p=np.ones((batch,), np.float32),
-            min_p=np.zeros((batch,), np.float32),
-        )
+    def padded(cls, batch: int) -> "SamplingRows":
+        """``batch`` padding rows (host arrays)."""
+        return cls(temperature=np.ones((batch,), np.float32),
+                   top_k=np.full((batch,), TOP_K_ALL, np.int32),
+                   top_p=np.ones((batch,), np.float32),
+                   min_p=np.zeros((batch,), np.float32))
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams | None], batch: int | None = None):
-        """Rows from a list of params; None entries and rows past len(params) are padding."""
+    def from_params(cls, params: Sequence[SamplingParams | None] | SamplingParams,
+                    batch: int | None = None) -> "SamplingRows":
+        """Host rows from one SamplingParams or a list of them; None entries and rows past
+        ``len(params)`` (up to ``batch``) are padding."""
+        if isinstance(params, SamplingParams):
+            params = [params]
         batch = len(params) if batch is None else batch
-        out = cls.padded(batch)
-        for row, p in enumerate(params):
-            if p is None:
-                continue
-            t, k, tp, mp = p.kernel_values()
-            out.temperature[row], out.top_k[row], out.top_p[row], out.min_p[row] = t, k, tp, mp
-        return out
+        if batch < len(params):
+            raise ValueError(f"{len(params)} sampling params do not fit {batch} rows")
+        rows = cls.padded(batch)
+        for i, p in enumerate(params):
+            if p is not None:
+                rows.temperature[i], rows.top_k[i], rows.top_p[i], rows.min_p[i] = (
+                    p.kernel_values())
+        return rows
+
+    @property
+    def is_greedy(self):
+        """[B] bool: the rows that decode greedily (top_k <= 1; temperature 0 was
+        rewritten to temperature 1, top_k 1)."""
+        return self.top_k <= 1
+
+    def rows(self, batch: int) -> "SamplingRows":
+        """The first ``batch`` rows (a step for batch bucket ``batch``)."""
+        return SamplingRows(*(x[:batch] for x in self))
+
+    def at_rows(self, index, new: "SamplingRows") -> "SamplingRows":
+        """These rows with rows ``index`` replaced by ``new`` (jax arrays; for slot
+        assignment and release inside a jitted update)."""
+        return SamplingRows(*(x.at[index].set(jnp.asarray(y, x.dtype)) for x, y in zip(self, new)))

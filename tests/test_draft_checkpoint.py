@@ -68,8 +68,8 @@ def _prefill_logits(draft, target):
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
     out = target(tokens, pos, target.init_cache(2, 16), aux_layers=draft.feature_layers or ())
     feats = out.aux_hidden if draft.kind == "EAGLE3" else out.hidden
-    res = draft_ops.draft_prefill_extend(draft, tokens, jnp.asarray([1, 2]), jnp.asarray([5, 3]),
-                                         feats, pos, draft.init_cache(2, 16))
+    res = draft_ops.draft_extend(draft, tokens, jnp.asarray([1, 2]), jnp.asarray([5, 3]),
+                                 feats, pos, draft.init_cache(2, 16))
     return np.asarray(res.logits)
 
 

@@ -201,7 +201,8 @@ def test_select_logits_one_row_per_request(dirs, target, which, monkeypatch):
         return out
 
     monkeypatch.setattr(kernel, "gathered_lm_head", spy)
-    res = draft_ops.draft_extend(draft, tokens, feats, pos, rows, draft.init_cache(B, MAX_LEN))
+    res = draft_ops.draft_extend(draft, tokens, tokens[:, -1], rows + 1, feats, pos,
+                                 draft.init_cache(B, MAX_LEN))
     vd = draft.draft_vocab_size
     assert res.logits.shape == (B, vd) and res.hidden_all.shape == (B, T, 64)
     full = draft.logits(res.hidden_all)
@@ -222,7 +223,7 @@ def test_extend_graph_projects_only_b_rows(dirs, target, which):
     feats = _features(target, draft, tokens, pos)
     rows = jnp.asarray([1, 3], jnp.int32)
     jaxpr = jax.make_jaxpr(lambda f: draft_ops.draft_extend(
-        draft, tokens, f, pos, rows, draft.init_cache(B, MAX_LEN)).logits)(feats)
+        draft, tokens, tokens[:, -1], rows + 1, f, pos, draft.init_cache(B, MAX_LEN)).logits)(feats)
     vd = draft.draft_vocab_size
     wide = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"
             and e.outvars[0].aval.shape[-1] == vd]
@@ -235,8 +236,10 @@ def test_kernel_and_jnp_paths_agree(dirs, target):
     b = load_draft(dirs["e3"], target, use_kernels=False)
     feats = _features(target, a, tokens, pos)
     rows = jnp.asarray([6, 3], jnp.int32)
-    ra = draft_ops.draft_extend(a, tokens, feats, pos, rows, a.init_cache(B, MAX_LEN))
-    rb = draft_ops.draft_extend(b, tokens, feats, pos, rows, b.init_cache(B, MAX_LEN))
+    ra = draft_ops.draft_extend(a, tokens, tokens[:, -1], rows + 1, feats, pos,
+                                a.init_cache(B, MAX_LEN))
+    rb = draft_ops.draft_extend(b, tokens, tokens[:, -1], rows + 1, feats, pos,
+                                b.init_cache(B, MAX_LEN))
     np.testing.assert_allclose(ra.logits, rb.logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ra.hidden_all, rb.hidden_all, rtol=1e-5, atol=1e-5)
 
@@ -265,13 +268,13 @@ def test_shift_tokens():
     np.testing.assert_array_equal(out, [[11, 12, 13, 99], [21, 98, 0, 0]])
 
 
-def test_prefill_extend_row_is_last_prompt_position(dirs, target):
+def test_extend_row_is_last_window_position(dirs, target):
     draft = load_draft(dirs["e3"], target)
     tokens, pos = _inputs(6)
     feats = _features(target, draft, tokens, pos)
     nxt = jnp.asarray([7, 8], jnp.int32)
-    res = draft_ops.draft_prefill_extend(draft, tokens, nxt, jnp.asarray(LENGTHS), feats, pos,
-                                         draft.init_cache(B, MAX_LEN))
+    res = draft_ops.draft_extend(draft, tokens, nxt, jnp.asarray(LENGTHS), feats, pos,
+                                 draft.init_cache(B, MAX_LEN))
     shifted = draft_ops.shift_tokens(tokens, jnp.asarray(LENGTHS), nxt)
     out, _ = draft(shifted, draft.project(feats), pos, draft.init_cache(B, MAX_LEN))
     np.testing.assert_allclose(res.hidden, out[jnp.arange(B), LENGTHS - 1], rtol=1e-5, atol=1e-6)
@@ -294,9 +297,8 @@ def test_draft_never_runs_target_code(dirs, target, which, monkeypatch):
     monkeypatch.setattr(DecoderLayer, "__call__", trap)
 
     def prefill_and_decode(feats):
-        res = draft_ops.draft_prefill_extend(draft, tokens, jnp.asarray([1, 2]),
-                                             jnp.asarray(LENGTHS), feats, pos,
-                                             draft.init_cache(B, MAX_LEN))
+        res = draft_ops.draft_extend(draft, tokens, jnp.asarray([1, 2]), jnp.asarray(LENGTHS),
+                                     feats, pos, draft.init_cache(B, MAX_LEN))
         return draft_ops.draft_decode_step(draft, jnp.argmax(res.logits, -1), res.hidden,
                                            jnp.asarray(LENGTHS), res.cache)[0]
 

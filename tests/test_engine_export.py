@@ -30,9 +30,9 @@ def engine(tmp_path_factory):
 def test_spec_step_exports_with_triton_kernels(engine, platform):
     with compiled_kernels():
         exported = jax.export.export(
-            engine.step_function(4), platforms=[platform],
+            jax.jit(engine.step_function(4), donate_argnums=(2,)), platforms=[platform],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
-        )(engine._target_params, engine._draft_params, engine.state)
+        )(*engine.step_inputs())
     text = exported.mlir_module()
     # proposal x S (3), sampler (2 calls), fused norm-concat (S-1 draft steps + extend),
     # gathered LM head (extend): every kernel of the step is a Triton call.

@@ -28,7 +28,7 @@ from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.models.decoder import load_decoder
 from eagle_jax.models.layers import KVCache
-from eagle_jax.sampling import TOP_K_ALL
+from eagle_jax.sampling import TOP_K_ALL, SamplingRows
 
 VOCAB = 16
 PROMPT = [3, 9, 4, 11]
@@ -60,9 +60,9 @@ def _exact_joint(target_dir, temperature, top_k, top_p):
     cache = KVCache.zeros(c.num_layers, len(seqs), n, c.num_kv_heads, c.head_dim, jnp.float32)
     logits = model(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(n), seqs.shape), cache).logits
     rows = logits.shape[:2]
-    probs = np.asarray(sampling_probs(
-        logits, jnp.full(rows, temperature), jnp.full(rows, top_k, jnp.int32),
-        jnp.full(rows, top_p), jnp.zeros(rows)), np.float64)
+    probs = np.asarray(sampling_probs(logits, SamplingRows(
+        jnp.full(rows, temperature), jnp.full(rows, top_k, jnp.int32), jnp.full(rows, top_p),
+        jnp.zeros(rows))), np.float64)
     probs = probs.reshape(VOCAB, VOCAB, n, VOCAB)
     p1 = probs[0, 0, len(PROMPT) - 1]  # [t1]
     p2 = probs[:, 0, len(PROMPT)]  # [t1, t2]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.kernels import sample_from_probs, sampling_probs
-from eagle_jax.sampling import TOP_K_ALL
+from eagle_jax.sampling import TOP_K_ALL, SamplingRows
 
 
 def numpy_sampling_probs(logits, t, k, p_top, p_min, vocab):
@@ -37,7 +37,7 @@ def test_matches_numpy(seed, num_cols, vocab):
   k = rng.choice([1, 2, 7, 40, TOP_K_ALL], rows).astype(np.int32)
   tp = rng.choice([1.0, 0.9, 0.5], rows).astype(np.float32)
   mp = rng.choice([0.0, 0.1], rows).astype(np.float32)
-  out = np.asarray(sampling_probs(logits, t, k, tp, mp, vocab))
+  out = np.asarray(sampling_probs(logits, SamplingRows(t, k, tp, mp), vocab))
   assert np.all(out[:, vocab:] == 0)
   for r in range(rows):
     expect = numpy_sampling_probs(logits[r], t[r], k[r], tp[r], mp[r], vocab)
@@ -48,8 +48,8 @@ def test_greedy_ties_first_index_and_padding_ignored():
   logits = np.zeros((3, 2, 20), np.float32)
   logits[..., 4] = logits[..., 9] = 5.0
   logits[..., 19] = 100.0  # padding column, beyond vocab_size
-  out = np.asarray(sampling_probs(logits, np.ones((3, 2)), np.ones((3, 2), np.int32),
-                                  np.ones((3, 2)), np.zeros((3, 2)), vocab_size=18))
+  rows = SamplingRows(np.ones(3), np.ones(3, np.int32), np.ones(3), np.zeros(3))
+  out = np.asarray(sampling_probs(logits, rows, vocab_size=18))  # [3] rows over [3, 2]
   assert np.all(out[..., 4] == 1.0) and np.all(out.sum(-1) == 1.0)
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from eagle_jax.kernels import PAD_TOKEN, sampling_probs, speculative_sample, speculative_sample_reference
-from eagle_jax.sampling import TOP_K_ALL
+from eagle_jax.kernels.draft_proposal import propose_from_probs
+from eagle_jax.sampling import TOP_K_ALL, SamplingRows
 
 # Chi-square test: false-alarm rate alpha = 1e-3 per statistic (p-value from the
 # regularised upper incomplete gamma function, scipy is not installed).
@@ -66,9 +67,9 @@ def _check_against_reference(out, ref):
 def test_matches_reference(batch, num_draft, num_cols, vocab, with_q, blocks):
   d, q, logits, t, k, tp, mp, u, active = _inputs(batch * 100 + num_cols, batch, num_draft, num_cols, vocab)
   q = q if with_q else None
-  out = speculative_sample(d, q, logits, t, k, tp, mp, u, vocab, active,
+  out = speculative_sample(d, q, logits, SamplingRows(t, k, tp, mp), u, vocab, active,
                            block_v=blocks[0], chunk_v=blocks[1])
-  ref = speculative_sample_reference(d, q, logits, t, k, tp, mp, u, vocab, active)
+  ref = speculative_sample_reference(d, q, logits, SamplingRows(t, k, tp, mp), u, vocab, active)
   _check_against_reference(out, ref)
   assert np.all(np.asarray(out.tokens)[~active] == PAD_TOKEN)
   assert np.all(np.asarray(out.num_tokens)[~active] == 0)
@@ -83,7 +84,8 @@ def test_greedy_rows_follow_argmax_path():
   d[4:, 0] = 700
   k = np.ones(batch, np.int32)
   t = np.ones(batch, np.float32)  # greedy is detected by top_k, not temperature (001)
-  out = speculative_sample(d, q, logits, t, k, tp, mp, u, vocab, block_v=128, chunk_v=256)
+  out = speculative_sample(d, q, logits, SamplingRows(t, k, tp, mp), u, vocab, block_v=128,
+                           chunk_v=256)
   am = np.argmax(logits[..., :vocab], -1)
   for b in range(batch):
     n = 0
@@ -127,14 +129,14 @@ def _group_inputs(seed, rows_per_group, num_cols=12, num_draft=2):
 def test_first_token_and_second_token_follow_target():
   rows = 2500
   groups, d, q, logits, t, k, tp, mp, u = _group_inputs(11, rows)
-  out = speculative_sample(d, q, logits, t, k, tp, mp, u, 12)
+  out = speculative_sample(d, q, logits, SamplingRows(t, k, tp, mp), u, 12)
   tokens, accept_len = np.asarray(out.tokens), np.asarray(out.accept_len)
   assert tokens.min() >= 0 and tokens.max() < 12 or np.all(tokens[tokens < 0] == PAD_TOKEN)
   for g, (temp, filt, real) in enumerate(groups):
     sl = slice(g * rows, (g + 1) * rows)
-    p = np.asarray(sampling_probs(logits[sl.start], np.full(3, temp, np.float32),
-                                  np.full(3, k[sl.start]), np.full(3, tp[sl.start]),
-                                  np.zeros(3, np.float32)))
+    p = np.asarray(sampling_probs(logits[sl.start], SamplingRows(
+        np.full(3, temp, np.float32), np.full(3, k[sl.start]), np.full(3, tp[sl.start]),
+        np.zeros(3, np.float32))))
     first = np.bincount(tokens[sl, 0], minlength=12)
     assert chi2_pvalue(first, p[0]) > ALPHA, (temp, filt, real)
     accepted = accept_len[sl] >= 1
@@ -166,8 +168,9 @@ def test_fault_injection_never_emits_invalid_ids():
   ones = np.ones(batch, np.float32)
   k = np.full(batch, TOP_K_ALL, np.int32)
   kw = dict(target_is_probs=True, block_v=128, chunk_v=256)
-  out = speculative_sample(d, q, p, ones, k, ones, 0 * ones, u, vocab, **kw)
-  ref = speculative_sample_reference(d, q, p, ones, k, ones, 0 * ones, u, vocab, target_is_probs=True)
+  rows = SamplingRows(ones, k, ones, 0 * ones)
+  out = speculative_sample(d, q, p, rows, u, vocab, **kw)
+  ref = speculative_sample_reference(d, q, p, rows, u, vocab, target_is_probs=True)
   tokens = np.asarray(out.tokens)
   assert np.all(((tokens >= 0) & (tokens < vocab)) | (tokens == PAD_TOKEN))
   assert np.all(np.asarray(out.num_tokens) >= 1)
@@ -176,9 +179,50 @@ def test_fault_injection_never_emits_invalid_ids():
   assert np.all(np.asarray(out.num_malformed_q)[:7] >= 1)
   _check_against_reference(out, ref)
   # Even if every coin says "accept", a malformed q entry is rejected.
-  out0 = speculative_sample(d, q, p, ones, k, ones, 0 * ones, np.zeros_like(u), vocab, **kw)
+  out0 = speculative_sample(d, q, p, rows, np.zeros_like(u), vocab, **kw)
   assert np.all(np.asarray(out0.accept_len)[:6] == 0)
   # Greedy rows with poisoned p still emit valid ids.
-  outg = speculative_sample(d, q, p, ones, np.ones(batch, np.int32), ones, 0 * ones, u, vocab, **kw)
+  greedy = SamplingRows(ones, np.ones(batch, np.int32), ones, 0 * ones)
+  outg = speculative_sample(d, q, p, greedy, u, vocab, **kw)
   tg = np.asarray(outg.tokens)
   assert np.all(((tg >= 0) & (tg < vocab)) | (tg == PAD_TOKEN))
+
+
+def test_draft_row_malformed_elsewhere_is_never_accepted_and_is_counted():
+  """004, the whole row: q valid at the draft token but malformed elsewhere (NaN, -inf,
+  > 1, or a row that does not sum to 1) is flagged by the proposal's row check; the
+  sampler never accepts a token from it, counts it, and draws from p instead."""
+  batch, num_draft, vocab = 6, 2, 512
+  rng = np.random.default_rng(21)
+  q = rng.dirichlet(np.full(vocab, 0.5), size=(batch, num_draft)).astype(np.float32)
+  q[0, 0, 7] = np.nan
+  q[1, 0, 9] = -np.inf
+  q[2, 0, 11] = 7.0
+  q[3, 0] *= 0.5  # every entry a probability, the row sums to 0.5
+  uniform = rng.uniform(size=(batch, num_draft)).astype(np.float32)
+  greedy = np.zeros(batch, bool)
+  proposals = [propose_from_probs(q[:, i], greedy, uniform[:, i], block_v=128)
+               for i in range(num_draft)]
+  d = np.stack([np.asarray(x.tokens) for x in proposals], 1)
+  ok = np.stack([np.asarray(x.probs_ok) for x in proposals], 1)
+  np.testing.assert_array_equal(ok[:, 0], [False, False, False, False, True, True])
+  assert ok[:, 1].all()
+  assert all(0.0 < q[r, 0, d[r, 0]] <= 1.0 for r in range(4))  # valid where drawn
+  # The target agrees with the draft and every coin says accept: only the row check
+  # can reject.
+  p_sane = np.where((q >= 0) & (q <= 1), q, 0.0)
+  p = np.concatenate([p_sane / p_sane.sum(-1, keepdims=True),
+                      np.full((batch, 1, vocab), 1.0 / vocab, np.float32)], 1)
+  ones = np.ones(batch, np.float32)
+  rows = SamplingRows(ones, np.full(batch, TOP_K_ALL, np.int32), ones, 0 * ones)
+  u = np.zeros((batch, num_draft + 1), np.float32)
+  kw = dict(target_is_probs=True, draft_probs_ok=ok)
+  out = speculative_sample(d, q, p, rows, u, vocab, block_v=128, chunk_v=256, **kw)
+  ref = speculative_sample_reference(d, q, p, rows, u, vocab, **kw)
+  for res in (out, ref):
+    np.testing.assert_array_equal(res.accept_len, [0, 0, 0, 0, 2, 2])
+    malformed = np.asarray(res.num_malformed_q)
+    assert np.all(malformed[:4] >= 1) and np.all(malformed[4:] == 0)
+    emitted = np.asarray(res.tokens)[:4, 0]
+    assert np.all(p[np.arange(4), 0, emitted] > 0)  # drawn from p_0, a real token
+  np.testing.assert_array_equal(out.tokens, ref.tokens)

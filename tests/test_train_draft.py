@@ -133,9 +133,8 @@ def test_unrolled_forward_equals_extend_then_decode(setup, kind):
     @jax.jit
     def extend(j):  # rows 0..j at their positions, the rest padding (KV writes dropped)
         rows_pos = jnp.where(pos <= j, pos, 10**6)
-        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)
-        return draft_ops.draft_extend(draft, shifted, feats, rows_pos, jnp.reshape(j, (1,)),
-                                      draft.init_cache(1, 32))
+        return draft_ops.draft_extend(draft, tokens, tokens[:, j + 1], jnp.reshape(j + 1, (1,)),
+                                      feats, rows_pos, draft.init_cache(1, 32))
 
     decode = jax.jit(lambda tok, h, p, cache: draft_ops.draft_decode_step(draft, tok, h, p, cache))
     for j in (0, 4, 8):

@@ -5,8 +5,8 @@ One workload (the same prompts, per-request seeds and sampling parameters) runs 
 1. ``xla``: the engine as served -- one ``jax.jit``-compiled step per batch bucket over
    static, donated buffers (the JAX stand-in for CUDA-graph capture / replay);
 2. ``eager``: the same pure step functions (``spec_step``, ``prefill_chunk``, ...)
-   called op by op under ``jax.disable_jit()`` -- the analogue of ``--disable-cuda-graph``
-   (``eagle_jax.compare.engines.EagerEngine``);
+   evaluated op by op (one dispatch per primitive, no fusion, no donation) -- the
+   analogue of ``--disable-cuda-graph`` (``eagle_jax.compare.engines.eager_compile``);
 3. ``torch-replay``: where torch sees a CUDA / HIP GPU, a torch CUDA-graph reference of
    the sampling stage reproducing seed 004 and its copy-out fix
    (``eagle_jax.compare.torch_replay``); otherwise "skipped: no torch GPU".
@@ -168,7 +168,7 @@ def _run_mode(mode: str, config, tokenizer, prompts, params, perturb, perturb_sc
     counter = _NonFiniteCounter() if (config.speculative and
                                       config.draft_sample_method == "probabilistic") else None
     t0 = time.perf_counter()
-    engine = make_engine(mode, config, tokenizer=tokenizer,
+    engine, recorder = make_engine(mode, config, tokenizer=tokenizer,
                          perturb=perturb if mode == "xla" else "none",
                          perturb_scale=perturb_scale, draft_probs_hook=counter)
     setup = time.perf_counter() - t0
@@ -178,7 +178,7 @@ def _run_mode(mode: str, config, tokenizer, prompts, params, perturb, perturb_sc
     order = {o.request_id: i for i, o in enumerate(outs)}
     # Records keyed by request index, in step order.
     records = [dataclasses.replace(r, request_id=str(order[r.request_id]))
-               for r in engine.step_records]
+               for r in recorder.step_records]
     return ModeResult(mode, [list(o.token_ids) for o in outs], records,
                       dataclasses.asdict(engine.stats),
                       None if counter is None else counter.count, wall, setup)

@@ -1,187 +1,51 @@
-"""Engine variants for the XLA-vs-op-by-op comparison.
+"""Engine variants for the XLA-vs-op-by-op comparison, built through the engine's seams.
 
-* ``XlaEngine``: the served engine (``jax.jit`` per bucket over static, donated
-  buffers), recording every request-step (``eagle_jax.eval.recording``).
-* ``EagerEngine``: the same engine whose compiled functions are replaced by the *same*
-  Python functions called under ``jax.disable_jit()``: every primitive runs on its own,
-  with no XLA fusion, no buffer donation and no aliasing -- the JAX analogue of running
-  a CUDA-graph engine with ``--disable-cuda-graph``. Pallas kernels stay one launch each
-  (see ``_cached_kernel``); on a CPU they run in interpret mode in both engines.
-* ``PerturbedXlaEngine``: the served engine with a deliberate fault injected into its
-  jitted decode step only (``--perturb``, a test hook): the comparison must catch it.
+Every variant is the served ``Engine`` with a different ``compile_fn`` (the engine's
+public hook for turning its pure functions into executables) and a ``StepRecorder``
+attached to its public step listener:
 
-How the step functions are obtained. ``EagerEngine`` and ``PerturbedXlaEngine``
-override ``_step_fn`` / ``_prefill_fn`` (and the slot-update properties) by calling the
-engine's own method while ``jax.jit`` *as seen by* ``eagle_jax.engine.engine`` is
-replaced (``_intercept_jit``): the engine builds its ``run`` closure exactly as it does
-when serving (same merge of the parameters, same arguments to ``spec_step`` /
-``prefill_chunk``), and hands it to our ``jit``, which returns it un-jitted (eager) or
-jits a perturbed wrapper of it. Nothing of the engine's step construction is copied
-here, so the comparison follows the engine as it evolves.
+* ``xla``: ``jit_compile``, the serving path (one ``jax.jit`` executable per bucket over
+  static, donated buffers).
+* ``eager``: ``eager_compile`` traces each function once to a jaxpr and then evaluates
+  it equation by equation: every primitive is dispatched on its own, with no XLA fusion,
+  no buffer donation and no aliasing -- the JAX analogue of running a CUDA-graph engine
+  with ``--disable-cuda-graph``. A Pallas kernel is one equation, so it stays one launch
+  (compiled once: the traced equation is the same object at every call); on a CPU it
+  runs in interpret mode in both modes.
+* ``xla`` with ``--perturb`` (a test hook): the decode step only is wrapped with a
+  deliberate fault before it is jitted; the comparison must catch it.
+
+The engine builds the same ``run`` closures in every mode (same parameter merge, same
+arguments to ``spec_step`` / ``prefill_chunk``); nothing of the engine is copied here,
+so the comparison follows the engine as it evolves.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
-import pkgutil
-import threading
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
 
-from eagle_jax.engine import engine as engine_module
-from eagle_jax.engine.engine import Engine
-from eagle_jax.eval.recording import RecordingMixin
+from eagle_jax.engine.engine import Engine, jit_compile
+from eagle_jax.eval.recording import StepRecorder
 
 PERTURB_KINDS = ("none", "weight-noise", "flip-token")
 
 
-_KERNEL_LOCK = threading.RLock()
-_KERNEL_CACHE: dict = {}
+def eager_compile(name: str, fn: Callable, example_args: tuple,
+                  donate_argnums: tuple[int, ...]) -> Callable:
+    """A ``CompileFn`` whose executables run ``fn``'s equations one by one."""
+    del name, donate_argnums  # donation means nothing without an executable to alias in
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
+    run_equations = jaxpr_as_fun(closed)
+    out_tree = jax.tree.structure(out_shape)
 
+    def call(*args):
+        return jax.tree.unflatten(out_tree, run_equations(*jax.tree.leaves(args)))
 
-def _cached_kernel(name: str, fn):
-    """``fn`` (a ``_*_pallas`` entry point) as one compiled unit, cached per static args.
-
-    A Pallas kernel is one launch in every mode: JAX itself compiles a ``pallas_call``
-    as a unit even under ``disable_jit``. It does so, however, with a fresh closure per
-    call, i.e. a recompilation of the kernel at every call, which makes an op-by-op
-    step take seconds. Here the kernel entry is jitted once per static configuration
-    (Python scalars and keyword arguments); arrays stay dynamic.
-    """
-
-    def wrapper(*args, **kwargs):
-        static_pos = tuple(i for i, a in enumerate(args)
-                           if a is not None and not hasattr(a, "shape"))
-        key = (name, static_pos, tuple(args[i] for i in static_pos),
-               tuple(sorted(kwargs.items())))
-        jitted = _KERNEL_CACHE.get(key)
-        if jitted is None:
-            statics = {i: args[i] for i in static_pos}
-            n = len(args)
-
-            def call(*dynamic):
-                it = iter(dynamic)
-                full = [statics[i] if i in statics else next(it) for i in range(n)]
-                return fn(*full, **kwargs)
-
-            jitted = _KERNEL_CACHE[key] = jax.jit(call)
-        dynamic = [a for i, a in enumerate(args) if i not in static_pos]
-        with jax.disable_jit(False):
-            return jitted(*dynamic)
-
-    return wrapper
-
-
-@contextlib.contextmanager
-def _op_by_op():
-    """``jax.disable_jit()``, with each Pallas kernel entry point compiled once (above).
-
-    The entry points are the module-level ``_*_pallas`` functions of
-    ``eagle_jax.kernels``; they are swapped for cached wrappers for the duration of the
-    call and restored afterwards (the tool is single-threaded; a lock keeps two eager
-    calls from interleaving their swaps).
-    """
-    import eagle_jax.kernels as kernels_pkg
-
-    with _KERNEL_LOCK:
-        saved = []
-        for info in pkgutil.iter_modules(kernels_pkg.__path__):
-            mod = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
-            for attr, fn in list(vars(mod).items()):
-                if attr.startswith("_") and attr.endswith("_pallas") and callable(fn):
-                    saved.append((mod, attr, fn))
-                    setattr(mod, attr, _cached_kernel(f"{info.name}.{attr}", fn))
-        try:
-            with jax.disable_jit():
-                yield
-        finally:
-            for mod, attr, fn in saved:
-                setattr(mod, attr, fn)
-
-
-def _as_jax(args):
-    """What jit does to its arguments: numpy / Python scalars become device arrays."""
-    return jax.tree.map(lambda x: jnp.asarray(x) if x is not None else None, args,
-                        is_leaf=lambda x: x is None)
-
-
-class _Unjitted:
-    """What ``jax.jit(fn, ...)`` gives an EagerEngine: ``fn`` itself, run op by op.
-
-    ``.lower(...)`` and ``.compile()`` return the object, so the engine's
-    ``jax.jit(run).lower(...).compile()`` chain works unchanged.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def lower(self, *args, **kwargs):
-        return self
-
-    def compile(self, *args, **kwargs):
-        return self
-
-    def __call__(self, *args):
-        with _op_by_op():
-            return self.fn(*_as_jax(args))
-
-
-@contextlib.contextmanager
-def _intercept_jit(make):
-    """While active, ``jax.jit(fn, **kw)`` inside ``eagle_jax.engine.engine`` is
-    ``make(fn, **kw)``; every other ``jax`` attribute is the real one."""
-    real = engine_module.jax
-
-    class _JaxProxy:
-        jit = staticmethod(make)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    with _KERNEL_LOCK:
-        engine_module.jax = _JaxProxy()
-        try:
-            yield
-        finally:
-            engine_module.jax = real
-
-
-def _eager_jit(fn, **jit_kwargs):
-    del jit_kwargs  # donation and static arguments mean nothing without jit
-    return _Unjitted(fn)
-
-
-class XlaEngine(RecordingMixin, Engine):
-    """Mode 1: the served engine, unchanged (jitted, static buffers)."""
-
-    mode = "xla"
-
-
-class EagerEngine(RecordingMixin, Engine):
-    """Mode 2: the same step functions, op by op (``jax.disable_jit``)."""
-
-    mode = "eager"
-
-    def _step_fn(self, batch: int, with_logprobs: bool):
-        with _intercept_jit(_eager_jit):
-            return super()._step_fn(batch, with_logprobs)
-
-    def _prefill_fn(self, chunk: int):
-        with _intercept_jit(_eager_jit):
-            return super()._prefill_fn(chunk)
-
-    @functools.cached_property
-    def _assign(self):
-        with _intercept_jit(_eager_jit):
-            return Engine._assign.func(self)
-
-    @functools.cached_property
-    def _release(self):
-        with _intercept_jit(_eager_jit):
-            return Engine._release.func(self)
+    return call
 
 
 def _weight_noise(params, scale: float, key):
@@ -196,12 +60,13 @@ def _weight_noise(params, scale: float, key):
     return jax.tree.unflatten(treedef, out)
 
 
-def _flip_last_token(state, out, vocab: int):
-    """The last token each row committed (the new last_token) -> (t + 1) mod vocab."""
+def _flip_last_token(state, out):
+    """The last token each row committed (the new last_token) -> its neighbour id
+    (t - 1, or 1 for t = 0): another valid id, whatever the vocabulary."""
     last = jnp.maximum(out.num_tokens - 1, 0)
     old = jnp.take_along_axis(out.tokens, last[:, None], axis=1)[:, 0]
     live = out.num_tokens > 0
-    new = jnp.where(live, (old + 1) % vocab, old)
+    new = jnp.where(live, jnp.where(old > 0, old - 1, 1), old)
     cols = jnp.arange(out.tokens.shape[1])[None]
     tokens = jnp.where((cols == last[:, None]) & live[:, None], new[:, None], out.tokens)
     batch = out.tokens.shape[0]
@@ -210,57 +75,48 @@ def _flip_last_token(state, out, vocab: int):
     return state._replace(last_token=last_token), out._replace(tokens=tokens)
 
 
-class PerturbedXlaEngine(XlaEngine):
-    """The served engine with a fault in its jitted decode step (``--perturb``).
+def perturbed_compile(perturb: str, scale: float) -> Callable:
+    """A ``CompileFn`` that jits a faulty decode step (prefill and slot updates intact).
 
-    ``weight-noise``: inside the jitted decode step, every target parameter is scaled by
+    ``weight-noise``: inside the step, every target parameter is scaled by
     (1 + scale * N(0, 1)) with a fixed key, so the target logits of every decode step
     are off (as a stale or corrupted verify buffer would make them); greedy tokens flip
     wherever the top logits are close. ``flip-token``: the last token each step commits
-    (the correction / bonus token, i.e. the new ``last_token``) becomes (t + 1) mod vocab,
-    state kept consistent. Prefill is left alone, so the first generated token agrees.
+    (the correction / bonus token, i.e. the new ``last_token``) becomes a neighbouring
+    id, state kept consistent.
     """
+    if perturb not in PERTURB_KINDS or perturb == "none":
+        raise ValueError(f"perturb must be one of {PERTURB_KINDS[1:]}, got {perturb!r}")
 
-    mode = "xla"
-
-    def __init__(self, *args, perturb: str = "weight-noise", perturb_scale: float = 0.5,
-                 **kwargs):
-        if perturb not in PERTURB_KINDS or perturb == "none":
-            raise ValueError(f"perturb must be one of {PERTURB_KINDS[1:]}, got {perturb!r}")
-        self.perturb, self.perturb_scale = perturb, perturb_scale
-        super().__init__(*args, **kwargs)
-
-    def _perturbed(self, run):
-        perturb, scale = self.perturb, self.perturb_scale
-
-        def wrapped(target_params, draft_params, state, *rest):
+    def faulty(run):
+        def wrapped(target_params, draft_params, state):
             if perturb == "weight-noise":
                 target_params = _weight_noise(target_params, scale, jax.random.PRNGKey(1234))
-            state, out = run(target_params, draft_params, state, *rest)
+            state, out = run(target_params, draft_params, state)
             if perturb == "flip-token":
-                state, out = _flip_last_token(state, out, self.vocab_size)
+                state, out = _flip_last_token(state, out)
             return state, out
 
         return wrapped
 
-    def _step_fn(self, batch: int, with_logprobs: bool):
-        real_jit = jax.jit
+    def compile_fn(name, fn, example_args, donate_argnums):
+        return jit_compile(name, faulty(fn) if name == "step" else fn, example_args,
+                           donate_argnums)
 
-        def make(fn, **jit_kwargs):
-            return real_jit(self._perturbed(fn), **jit_kwargs)
-
-        with _intercept_jit(make):
-            return super()._step_fn(batch, with_logprobs)
+    return compile_fn
 
 
 def make_engine(mode: str, config, *, tokenizer=None, perturb: str = "none",
-                perturb_scale: float = 0.5, draft_probs_hook=None) -> Engine:
-    """Builds the engine of one comparison mode: "xla" or "eager"."""
-    kw = dict(tokenizer=tokenizer, draft_probs_hook=draft_probs_hook)
+                perturb_scale: float = 0.5, draft_probs_hook=None
+                ) -> tuple[Engine, StepRecorder]:
+    """The engine of one comparison mode ("xla" or "eager") and its step recorder."""
     if mode == "xla":
-        if perturb != "none":
-            return PerturbedXlaEngine(config, perturb=perturb, perturb_scale=perturb_scale, **kw)
-        return XlaEngine(config, **kw)
-    if mode == "eager":
-        return EagerEngine(config, **kw)
-    raise ValueError(f"unknown mode {mode!r}")
+        compile_fn = (jit_compile if perturb == "none"
+                      else perturbed_compile(perturb, perturb_scale))
+    elif mode == "eager":
+        compile_fn = eager_compile
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    engine = Engine(config, tokenizer=tokenizer, draft_probs_hook=draft_probs_hook,
+                    compile_fn=compile_fn)
+    return engine, StepRecorder(engine)

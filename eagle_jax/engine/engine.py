@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -26,10 +25,10 @@ from tqdm.auto import tqdm
 from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.engine import step as step_lib
 from eagle_jax.engine.config import EngineConfig
-from eagle_jax.engine.types import RequestOutput, SpecDecodeStats, TokenLogprob
+from eagle_jax.engine.types import RequestOutput, SpecDecodeStats, StepEvent, TokenLogprob
 from eagle_jax.models.decoder import Decoder, load_decoder
 from eagle_jax.models.layers import KVCache
-from eagle_jax.sampling import TOP_K_ALL, SamplingParams
+from eagle_jax.sampling import SamplingParams, SamplingRows
 
 logger = logging.getLogger("eagle_jax.engine")
 
@@ -68,6 +67,22 @@ def _threefry_key(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
+# How the engine turns each of its pure functions into an executable:
+#   compile_fn(name, fn, example_args, donate_argnums) -> callable
+# ``name`` is "step", "prefill", "assign", "release" or "score"; ``example_args`` are
+# arrays or ShapeDtypeStructs of the call's shapes. The default jits, lowers and
+# compiles; the comparison tool (``eagle_jax.compare``) passes one that runs the same
+# function op by op, or wraps it before jitting.
+CompileFn = Callable[[str, Callable, tuple, tuple[int, ...]], Callable]
+
+
+def jit_compile(name: str, fn: Callable, example_args: tuple,
+                donate_argnums: tuple[int, ...]) -> Callable:
+    """The serving ``CompileFn``: one XLA executable, the donated buffers updated in place."""
+    del name
+    return jax.jit(fn, donate_argnums=donate_argnums).lower(*example_args).compile()
+
+
 def _split(module):
     """module -> ((graphdef, treedef), parameter leaves); (None, None) for no module."""
     if module is None:
@@ -89,12 +104,16 @@ class Engine:
     """Continuous-batching EAGLE engine. Not thread-safe: drive it from one thread."""
 
     def __init__(self, config: EngineConfig, *, tokenizer=None, target: Decoder | None = None,
-                 draft=None, draft_probs_hook: Callable | None = None):
+                 draft=None, draft_probs_hook: Callable | None = None,
+                 compile_fn: CompileFn = jit_compile):
         """``target`` / ``draft``: modules built by the caller (benchmarks with random
         weights) instead of loading ``config.model`` / ``config.draft_model``.
         ``draft_probs_hook`` (tests only) rewrites the draft probabilities inside the
-        step, as a corrupted buffer would (004)."""
+        step, as a corrupted buffer would (004). ``compile_fn`` turns the engine's pure
+        functions into executables (see ``CompileFn``)."""
         self.config = config
+        self._compile_fn = compile_fn
+        self._step_listeners: list[Callable[[StepEvent], None]] = []
         _enable_compilation_cache(config.compilation_cache_dir)
         dtype = resolve_dtype(config.dtype)
         self.dtype = dtype
@@ -219,9 +238,7 @@ class Engine:
             target_cache=target_cache, draft_cache=draft_cache,
             seq_len=jnp.zeros((n,), jnp.int32), last_token=jnp.zeros((n,), jnp.int32),
             draft_hidden=draft_hidden, draft_logits=draft_logits,
-            temperature=jnp.ones((n,), jnp.float32),
-            top_k=jnp.full((n,), TOP_K_ALL, jnp.int32),
-            top_p=jnp.ones((n,), jnp.float32), min_p=jnp.zeros((n,), jnp.float32),
+            sampling=SamplingRows(*map(jnp.asarray, SamplingRows.padded(n))),
             key=jnp.zeros((n, 2), jnp.uint32), active=jnp.zeros((n,), bool))
 
     def _feature_width(self) -> int:
@@ -229,17 +246,28 @@ class Engine:
         return self.model_config.hidden_size * (len(layers) if layers else 1)
 
     # ------------------------------------------------------------ compilation
-    def _step_fn(self, batch: int, with_logprobs: bool):
-        """The step executable of a batch bucket, compiled on first use."""
-        key = ("step", batch, with_logprobs)
+    def _executable(self, key: tuple, fn: Callable, example_args: tuple,
+                    donate_argnums: tuple[int, ...] = ()) -> Callable:
+        """``fn`` compiled by ``compile_fn`` on first use, cached under ``key``."""
         if key not in self._compiled:
-            self._compiled[key] = self.step_function(batch, with_logprobs).lower(
-                self._target_params, self._draft_params, self.state).compile()
+            self._compiled[key] = self._compile_fn(key[0], fn, example_args, donate_argnums)
         return self._compiled[key]
 
-    def step_function(self, batch: int, with_logprobs: bool = False):
-        """The jitted (not yet compiled) step of a batch bucket:
-        ``(target_params, draft_params, state) -> (state, StepOutput)``, state donated."""
+    def _step_fn(self, batch: int, with_logprobs: bool):
+        """The step executable of a batch bucket, compiled on first use."""
+        return self._executable(("step", batch, with_logprobs),
+                                self.step_function(batch, with_logprobs), self.step_inputs(),
+                                (2,))
+
+    def step_inputs(self) -> tuple:
+        """The arguments of ``step_function``'s function now: (target parameters, draft
+        parameters, state) (e.g. for ``jax.export``)."""
+        return self._target_params, self._draft_params, self.state
+
+    def step_function(self, batch: int, with_logprobs: bool = False) -> Callable:
+        """The pure step of a batch bucket:
+        ``(target_params, draft_params, state) -> (state, StepOutput)``; the engine
+        compiles it with ``state`` donated."""
         tg, dg, cfg = self._target_graph, self._draft_graph, self.config
 
         def run(target_params, draft_params, state):
@@ -255,12 +283,9 @@ class Engine:
                 draft_probs_hook=self._draft_probs_hook,
                 synthetic_acceptance=cfg.synthetic_acceptance)
 
-        return jax.jit(run, donate_argnums=(2,))
+        return run
 
     def _prefill_fn(self, chunk: int):
-        key = ("prefill", chunk)
-        if key in self._compiled:
-            return self._compiled[key]
         tg, dg = self._target_graph, self._draft_graph
 
         def run(target_params, draft_params, state, slot, tokens, start, length, nxt, is_last):
@@ -270,20 +295,21 @@ class Engine:
                                           is_last, vocab_size=self.vocab_size)
 
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        fn = jax.jit(run, donate_argnums=(2,)).lower(
-            self._target_params, self._draft_params, self.state, i32,
-            jax.ShapeDtypeStruct((chunk,), jnp.int32), i32, i32, i32,
-            jax.ShapeDtypeStruct((), jnp.bool_)).compile()
-        self._compiled[key] = fn
-        return fn
+        args = (self._target_params, self._draft_params, self.state, i32,
+                jax.ShapeDtypeStruct((chunk,), jnp.int32), i32, i32, i32,
+                jax.ShapeDtypeStruct((), jnp.bool_))
+        return self._executable(("prefill", chunk), run, args, (2,))
 
-    @functools.cached_property
-    def _assign(self):
-        return jax.jit(step_lib.assign_slot, donate_argnums=(0,))
+    def _assign_fn(self):
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        rows = SamplingRows(*(jax.ShapeDtypeStruct((1,), x.dtype)
+                              for x in SamplingRows.padded(1)))
+        return self._executable(("assign",), step_lib.assign_slot, (
+            self.state, i32, rows, jax.ShapeDtypeStruct((2,), jnp.uint32)), (0,))
 
-    @functools.cached_property
-    def _release(self):
-        return jax.jit(step_lib.release_slot, donate_argnums=(0,))
+    def _release_fn(self):
+        return self._executable(("release",), step_lib.release_slot,
+                                (self.state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
 
     def precompile(self, with_logprobs: bool = False) -> None:
         """Compiles every prefill and step bucket ahead of serving."""
@@ -354,9 +380,19 @@ class Engine:
         launched = self._launch(occupied) if occupied else None
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
-        if launched is not None:
-            self._collect(*launched, outputs)
+        collected = self._collect(*launched, outputs) if launched is not None else (None, {})
+        if self._step_listeners:
+            event = StepEvent(self.stats.num_steps, *collected, outputs)
+            for listener in self._step_listeners:
+                listener(event)
         return outputs
+
+    def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
+        """Calls ``listener(StepEvent)`` at the end of every ``step()``: what the step
+        collected from the device (host arrays) and the outputs it returns. For
+        observers (evaluation records, the comparison tool); it must not drive the
+        engine."""
+        self._step_listeners.append(listener)
 
     def _process_aborts(self, outputs):
         for rid in list(self._aborted):
@@ -375,12 +411,11 @@ class Engine:
             slot = self._slots.index(None)
             req.slot = slot
             self._slots[slot] = req
-            t, k, tp, mp = req.params.kernel_values()
             seed = req.params.seed if req.params.seed is not None else int(
                 self._rng.integers(0, 2**31 - 1))
-            key = _threefry_key(seed)
-            self.state = self._assign(self.state, np.int32(slot), np.float32(t), np.int32(k),
-                                      np.float32(tp), np.float32(mp), key)
+            self.state = self._assign_fn()(self.state, np.int32(slot),
+                                      SamplingRows.from_params(req.params),
+                                      _threefry_key(seed))
             first = self._prefill(req)
             req.first_token_time = time.monotonic()
             self._commit(req, [first[0]], [first[1]] if first[1] is not None else None, outputs)
@@ -419,10 +454,12 @@ class Engine:
         return out, occupied
 
     def _collect(self, out, occupied: dict[int, _Request], outputs):
-        """Reads a step's tokens (the one host read of the step) and commits them."""
+        """Reads a step's tokens (the one host read of the step) and commits them.
+
+        Returns the host StepOutput and the step's live rows (slot -> request id)."""
         out = jax.device_get(out)
         live = {slot: req for slot, req in occupied.items() if not req.finished}
-        self._record_stats(out, live)
+        self._count_step(out, live)
         for slot, req in live.items():
             n = int(out.num_tokens[slot])
             toks = [int(t) for t in out.tokens[slot, :n]]
@@ -434,8 +471,9 @@ class Engine:
                                                      out.top_logprobs[slot, j, :k])})
                        for j in range(n)]
             self._commit(req, toks, lps, outputs)
+        return out, {slot: req.request_id for slot, req in live.items()}
 
-    def _record_stats(self, out, live: dict[int, _Request]):
+    def _count_step(self, out, live: dict[int, _Request]):
         s = self.stats
         s.num_steps += 1
         for slot in live:
@@ -529,7 +567,7 @@ class Engine:
         req.stop_reason = stop_reason
         if req.slot >= 0:
             self._slots[req.slot] = None
-            self.state = self._release(self.state, np.int32(req.slot))
+            self.state = self._release_fn()(self.state, np.int32(req.slot))
         self._requests.pop(req.request_id, None)
 
     def _output(self, req: _Request, new_tokens, new_logprobs, new_text: str = "") -> RequestOutput:
@@ -537,7 +575,8 @@ class Engine:
             request_id=req.request_id, new_token_ids=list(new_tokens), finished=req.finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             new_logprobs=new_logprobs, num_prompt_tokens=len(req.prompt),
-            num_output_tokens=len(req.output), text=req.text, new_text=new_text)
+            num_output_tokens=len(req.output), text=req.text, new_text=new_text,
+            first_token_time=req.first_token_time)
 
     # ------------------------------------------------------------- scoring
     def prompt_logprobs(self, prompt_token_ids: list[int], top_n: int = 0
@@ -563,18 +602,15 @@ class Engine:
         return out
 
     def _score_fn(self, bucket: int):
-        key = ("score", bucket)
-        if key not in self._compiled:
-            tg, cfg, vocab = self._target_graph, self.model_config, self.vocab_size
+        tg, cfg, vocab = self._target_graph, self.model_config, self.vocab_size
 
-            @jax.jit
-            def score(params, tokens):
-                # tokens: [1, bucket] zero-padded; row j scores token j + 1.
-                target = _merge(tg, params)
-                cache = KVCache.zeros(cfg.num_layers, 1, bucket, cfg.num_kv_heads, cfg.head_dim,
-                                      self.dtype)
-                logits = target(tokens, jnp.arange(bucket)[None], cache).logits
-                return step_lib._logprobs(logits, jnp.roll(tokens, -1, axis=1), vocab)
+        def score(params, tokens):
+            # tokens: [1, bucket] zero-padded; row j scores token j + 1.
+            target = _merge(tg, params)
+            cache = KVCache.zeros(cfg.num_layers, 1, bucket, cfg.num_kv_heads, cfg.head_dim,
+                                  self.dtype)
+            logits = target(tokens, jnp.arange(bucket)[None], cache).logits
+            return step_lib.token_logprobs(logits, jnp.roll(tokens, -1, axis=1), vocab)
 
-            self._compiled[key] = score
-        return self._compiled[key]
+        return self._executable(("score", bucket), score, (
+            self._target_params, jax.ShapeDtypeStruct((1, bucket), jnp.int32)))

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
 from eagle_jax.kernels.spec_sampler import speculative_sample
+from eagle_jax.models.draft_ops import draft_decode_step, draft_extend
 from eagle_jax.models.layers import KVCache
-from eagle_jax.sampling import MAX_LOGPROBS, TOP_K_ALL
+from eagle_jax.sampling import MAX_LOGPROBS, SamplingRows
 
 Array = jax.Array
 
@@ -41,10 +42,7 @@ class DecodeState(NamedTuple):
     last_token: Array  # i32
     draft_hidden: Array | None  # [B_max, H]
     draft_logits: Array | None  # [B_max, V_draft] f32
-    temperature: Array  # f32
-    top_k: Array  # i32
-    top_p: Array  # f32
-    min_p: Array  # f32
+    sampling: SamplingRows  # [B_max] each; free slots hold the padded rows
     key: Array  # [B_max, 2] u32, per-request PRNG key (threefry raw)
     active: Array  # bool
 
@@ -80,7 +78,7 @@ def _uniforms(subkey: Array, n: int) -> Array:
     return jax.vmap(lambda k: jax.random.uniform(k, (n,), jnp.float32))(subkey)
 
 
-def _logprobs(logits: Array, tokens: Array, vocab_size: int):
+def token_logprobs(logits: Array, tokens: Array, vocab_size: int):
     """Raw-distribution logprobs of tokens [...] and the top MAX_LOGPROBS alternatives."""
     lp = jax.nn.log_softmax(logits[..., :vocab_size].astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(lp, jnp.clip(tokens, 0, vocab_size - 1)[..., None], -1)[..., 0]
@@ -97,8 +95,7 @@ def _draft_argmax(logits: Array, d2t: Array | None, vocab_size: int | None) -> A
 
 
 def _rows(state: DecodeState, batch: int):
-    return (state.seq_len[:batch], state.last_token[:batch], state.temperature[:batch],
-            state.top_k[:batch], state.top_p[:batch], state.min_p[:batch],
+    return (state.seq_len[:batch], state.last_token[:batch], state.sampling.rows(batch),
             state.key[:batch], state.active[:batch])
 
 
@@ -109,12 +106,12 @@ def _write_rows(x: Array, batch: int, new: Array) -> Array:
 def plain_step(target, state: DecodeState, *, batch: int, vocab_size: int,
                with_logprobs: bool) -> tuple[DecodeState, StepOutput]:
     """One token per request from the target alone (the non-speculative baseline)."""
-    seq_len, last, temp, top_k, top_p, min_p, keys, active = _rows(state, batch)
+    seq_len, last, rows, keys, active = _rows(state, batch)
     keys, sub = _split_keys(keys, 1)
     positions = jnp.where(active, seq_len, PAD_POSITION)[:, None]
     out = target(last[:, None], positions, state.target_cache)
     logits = out.logits[:, 0]
-    probs = sampling_probs(logits, temp, top_k, top_p, min_p, vocab_size)
+    probs = sampling_probs(logits, rows, vocab_size)
     token = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])
     token = jnp.where(active, token, -1)
     n = active.astype(jnp.int32)
@@ -124,7 +121,8 @@ def plain_step(target, state: DecodeState, *, batch: int, vocab_size: int,
         last_token=_write_rows(state.last_token, batch, jnp.where(active, token, last)),
         key=_write_rows(state.key, batch, keys),
     )
-    lp = _logprobs(logits[:, None], token[:, None], vocab_size) if with_logprobs else (None,) * 3
+    lp = (token_logprobs(logits[:, None], token[:, None], vocab_size) if with_logprobs
+          else (None,) * 3)
     zeros = jnp.zeros((batch,), jnp.int32)
     return state, StepOutput(token[:, None], n, zeros, zeros, zeros, *lp)
 
@@ -143,7 +141,7 @@ def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
     target's argmax at the first rejected position.
     """
     S = num_steps
-    seq_len, last, temp, top_k, top_p, min_p, keys, active = _rows(state, batch)
+    seq_len, last, rows, keys, active = _rows(state, batch)
     keys, sub = _split_keys(keys, 3)
     u_propose = _uniforms(sub[:, 0], S)
     u_accept = _uniforms(sub[:, 1], S + 1)
@@ -159,23 +157,24 @@ def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
     draft_cache = state.draft_cache
     hidden = state.draft_hidden[:batch]
     logits = state.draft_logits[:batch]
-    tokens, qs = [], []
+    tokens, qs, qs_ok = [], [], []
     for i in range(S):
         if probabilistic:
-            tok, q = propose_draft_tokens(
-                logits, temp, top_k, top_p, min_p, u_propose[:, i], d2t=draft.d2t,
-                target_vocab_size=target_vocab, vocab_size=draft_vocab)
-            qs.append(q)
+            proposal = propose_draft_tokens(logits, rows, u_propose[:, i], d2t=draft.d2t,
+                                            target_vocab_size=target_vocab,
+                                            vocab_size=draft_vocab)
+            tok = proposal.tokens
+            qs.append(proposal.probs)
+            qs_ok.append(proposal.probs_ok)
         else:
             tok = _draft_argmax(logits, draft.d2t, draft_vocab)
         tokens.append(tok)
         if i + 1 < S:
-            pos = jnp.where(active, seq_len + i, PAD_POSITION)[:, None]
-            h, draft_cache = draft(tok[:, None], hidden[:, None], pos, draft_cache)
-            hidden = h[:, 0]
-            logits = draft.logits(hidden)
+            pos = jnp.where(active, seq_len + i, PAD_POSITION)
+            logits, hidden, draft_cache = draft_decode_step(draft, tok, hidden, pos, draft_cache)
     draft_tokens = jnp.stack(tokens, axis=1)  # [B, S]
     draft_probs = jnp.stack(qs, axis=1) if probabilistic else None  # [B, S, V]
+    draft_probs_ok = jnp.stack(qs_ok, axis=1) if probabilistic else None  # [B, S]
     if draft_probs_hook is not None:
         if draft_probs is None:
             draft_probs = jax.nn.one_hot(draft_tokens, target_vocab, dtype=jnp.float32)
@@ -190,39 +189,37 @@ def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
     features = out.aux_hidden if draft.feature_layers else out.hidden
 
     # 3. Accept (Pallas sampler).
-    res = speculative_sample(draft_tokens, draft_probs, out.logits, temp, top_k, top_p, min_p,
-                             u_accept, vocab_size, active)
+    res = speculative_sample(draft_tokens, draft_probs, out.logits, rows, u_accept, vocab_size,
+                             active, draft_probs_ok=draft_probs_ok)
     if synthetic_acceptance is not None:
         res = _synthetic_verdict(res, draft_tokens, out.logits, _uniforms(sub[:, 2], S),
                                  synthetic_acceptance, active)
     accept = res.accept_len
     emitted = jnp.take_along_axis(res.tokens, accept[:, None], axis=1)[:, 0]
 
-    # 4. Draft extend over the verified window: row j takes the committed token at
-    # position seq_len + j + 1 and the target's feature at seq_len + j. Rows past the
-    # accepted prefix are dropped; only row `accept` goes through the LM head (000).
-    padded = jnp.concatenate([draft_tokens, emitted[:, None]], axis=1)
-    ext_tokens = jnp.where(window[None] < accept[:, None], padded, emitted[:, None])
+    # 4. Draft extend over the verified window's committed tokens (last_token and the
+    # accepted drafts, at seq_len .. seq_len + accept; the emitted token follows them).
+    # Rows past the accepted prefix are padding; only row `accept` goes through the LM
+    # head (000).
     ext_pos = jnp.where(window[None] <= accept[:, None], verify_pos, PAD_POSITION)
-    h, draft_cache = draft(ext_tokens, draft.project(features), ext_pos, draft_cache)
-    next_logits = draft.select_logits(h, accept)
-    next_hidden = jnp.take_along_axis(h, accept[:, None, None], axis=1)[:, 0]
+    ext = draft_extend(draft, verify_tokens, emitted, accept + 1, features, ext_pos,
+                       draft_cache)
 
     # 5. Commit.
     n = jnp.where(active, accept + 1, 0)
     keep = active[:, None]
     state = state._replace(
         target_cache=out.cache,
-        draft_cache=draft_cache,
+        draft_cache=ext.cache,
         seq_len=_write_rows(state.seq_len, batch, seq_len + n),
         last_token=_write_rows(state.last_token, batch, jnp.where(active, emitted, last)),
         draft_hidden=_write_rows(state.draft_hidden, batch,
-                                 jnp.where(keep, next_hidden, state.draft_hidden[:batch])),
+                                 jnp.where(keep, ext.hidden, state.draft_hidden[:batch])),
         draft_logits=_write_rows(state.draft_logits, batch,
-                                 jnp.where(keep, next_logits, state.draft_logits[:batch])),
+                                 jnp.where(keep, ext.logits, state.draft_logits[:batch])),
         key=_write_rows(state.key, batch, keys),
     )
-    lp = (_logprobs(out.logits, res.tokens, vocab_size) if with_logprobs else (None,) * 3)
+    lp = (token_logprobs(out.logits, res.tokens, vocab_size) if with_logprobs else (None,) * 3)
     return state, StepOutput(res.tokens, n, jnp.where(active, accept, 0), res.num_malformed_q,
                              res.num_fallback, *lp)
 
@@ -266,11 +263,10 @@ def prefill_chunk(target, draft, state: DecodeState, slot: Array, tokens: Array,
                  slots=slots)
     logits = out.logits[:, 0]  # [1, V]
     key, sub = _split_keys(state.key[slot][None], 1)
-    row = lambda x: x[slot][None]
-    probs = sampling_probs(logits, row(state.temperature), row(state.top_k), row(state.top_p),
-                           row(state.min_p), vocab_size)
+    rows = SamplingRows(*(x[slot][None] for x in state.sampling))
+    probs = sampling_probs(logits, rows, vocab_size)
     first = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])[0]
-    lp, top_ids, top_lp = _logprobs(logits, first[None], vocab_size)
+    lp, top_ids, top_lp = token_logprobs(logits, first[None], vocab_size)
     total = start + length
     updates = dict(
         target_cache=out.cache,
@@ -281,28 +277,24 @@ def prefill_chunk(target, draft, state: DecodeState, slot: Array, tokens: Array,
     )
     if draft is not None:
         following = jnp.where(is_last, first, next_token)
-        shifted = jnp.where(idx == last_row, following, jnp.roll(tokens, -1))
         features = out.aux_hidden if draft.feature_layers else out.hidden
-        h, draft_cache = draft(shifted[None], draft.project(features), positions,
-                               state.draft_cache, slots=slots)
-        sel_logits = draft.select_logits(h, last_row[None])[0]
-        sel_hidden = h[0, last_row]
+        ext = draft_extend(draft, tokens[None], following[None], length[None], features,
+                           positions, state.draft_cache, slots)
         updates.update(
-            draft_cache=draft_cache,
-            draft_hidden=state.draft_hidden.at[slot].set(sel_hidden.astype(state.draft_hidden.dtype)),
-            draft_logits=state.draft_logits.at[slot].set(sel_logits),
+            draft_cache=ext.cache,
+            draft_hidden=state.draft_hidden.at[slot].set(ext.hidden[0].astype(
+                state.draft_hidden.dtype)),
+            draft_logits=state.draft_logits.at[slot].set(ext.logits[0]),
         )
     return state._replace(**updates), PrefillOutput(first, lp[0], top_ids[0], top_lp[0])
 
 
-def assign_slot(state: DecodeState, slot: Array, temperature: Array, top_k: Array, top_p: Array,
-                min_p: Array, key: Array) -> DecodeState:
-    """Writes a new request's sampling tensors into ``slot`` (inactive until prefilled)."""
+def assign_slot(state: DecodeState, slot: Array, sampling: SamplingRows,
+                key: Array) -> DecodeState:
+    """Writes a new request's sampling rows ([1] each) into ``slot`` (inactive until
+    prefilled)."""
     return state._replace(
-        temperature=state.temperature.at[slot].set(temperature),
-        top_k=state.top_k.at[slot].set(top_k),
-        top_p=state.top_p.at[slot].set(top_p),
-        min_p=state.min_p.at[slot].set(min_p),
+        sampling=state.sampling.at_rows(slot, SamplingRows(*(x[0] for x in sampling))),
         key=state.key.at[slot].set(key),
         active=state.active.at[slot].set(False),
         seq_len=state.seq_len.at[slot].set(0),
@@ -310,11 +302,9 @@ def assign_slot(state: DecodeState, slot: Array, temperature: Array, top_k: Arra
 
 
 def release_slot(state: DecodeState, slot: Array) -> DecodeState:
-    """Marks ``slot`` free: padded sampling values (TOP_K_ALL, T = 1), inactive."""
+    """Marks ``slot`` free: padded sampling rows (TOP_K_ALL, T = 1), inactive."""
+    padded = SamplingRows(*(x[0] for x in SamplingRows.padded(1)))
     return state._replace(
-        temperature=state.temperature.at[slot].set(1.0),
-        top_k=state.top_k.at[slot].set(TOP_K_ALL),
-        top_p=state.top_p.at[slot].set(1.0),
-        min_p=state.min_p.at[slot].set(0.0),
+        sampling=state.sampling.at_rows(slot, padded),
         active=state.active.at[slot].set(False),
     )

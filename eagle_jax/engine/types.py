@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -40,6 +40,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # cumulative, after this step
     text: str = ""
     new_text: str = ""
+    first_token_time: float | None = None  # time.monotonic() when the first token was ready
 
 
 @dataclasses.dataclass
@@ -81,3 +82,19 @@ class SpecDecodeStats:
 
     def acceptance_per_position(self) -> list[float]:
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
+
+
+class StepEvent(NamedTuple):
+    """What one ``Engine.step()`` did, for step listeners (``Engine.add_step_listener``).
+
+    ``output`` is the host copy of the decode step collected in this call (the engine's
+    ``StepOutput``: tokens [B, W], num_tokens, accept_len, num_malformed, num_fallback,
+    ...), or None when no decode step was collected; ``rows`` maps each slot live in that
+    step to its request id (the slots index ``output``'s rows); ``outputs`` are the
+    RequestOutputs ``step()`` returns.
+    """
+
+    step: int  # engine.stats.num_steps after this call
+    output: Any
+    rows: dict[int, str]
+    outputs: list[RequestOutput]

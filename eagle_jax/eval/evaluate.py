@@ -5,7 +5,7 @@ For every setting of the sweep (``--num-steps`` x ``--temperature`` x
 ``--batch-size`` prompts; the same prompts, seeds and temperatures also run through the
 target alone (speculative_algorithm NONE) for the speed-up and the greedy identity
 check. The per-request-step accept lengths come from the engine's own step outputs
-(``RecordingEngine``, see ``eagle_jax.eval.recording``), and are checked against the
+(``StepRecorder``, see ``eagle_jax.eval.recording``), and are checked against the
 engine's cumulative ``SpecDecodeStats`` (``stats_consistent`` in the report).
 
 Request i of the dataset gets ``SamplingParams(temperature=T, top_p=--top-p,
@@ -159,9 +159,10 @@ def _params(args, temperature: float, index: int, max_tokens: int):
                           max_tokens=max_tokens, ignore_eos=args.ignore_eos)
 
 
-def _run(llm, examples, args, temperature: float, max_tokens: int, label: str) -> RunResult:
+def _run(llm, recorder, examples, args, temperature: float, max_tokens: int,
+         label: str) -> RunResult:
     engine = llm.engine
-    engine.reset_records()
+    recorder.reset()
     before = dataclasses.asdict(engine.stats)
     outputs, wall = [], 0.0
     bar = tqdm(total=len(examples), desc=label, disable=args.no_progress, leave=False)
@@ -173,14 +174,14 @@ def _run(llm, examples, args, temperature: float, max_tokens: int, label: str) -
         wall += time.perf_counter() - t0
         bar.update(len(chunk))
     bar.close()
-    return RunResult(outputs, wall, list(engine.step_records), dict(engine.first_token_time),
-                     dict(engine.finish_time),
+    return RunResult(outputs, wall, list(recorder.step_records),
+                     dict(recorder.first_token_time), dict(recorder.finish_time),
                      metrics.stats_delta(dataclasses.asdict(engine.stats), before))
 
 
 def _make_llm(args, target, draft, algo, num_steps, method, tokenizer):
-    from eagle_jax.engine import LLM, EngineConfig
-    from eagle_jax.eval.recording import RecordingEngine
+    from eagle_jax.engine import LLM, Engine, EngineConfig
+    from eagle_jax.eval.recording import StepRecorder
 
     kw = dict(model=target, draft_model=draft if algo != "NONE" else None,
               speculative_algorithm=algo, num_steps=num_steps, draft_sample_method=method,
@@ -192,9 +193,8 @@ def _make_llm(args, target, draft, algo, num_steps, method, tokenizer):
         kw["prefill_buckets"] = tuple(args.prefill_buckets)
     if args.compilation_cache_dir is not None:
         kw["compilation_cache_dir"] = args.compilation_cache_dir
-    engine = RecordingEngine(EngineConfig(**kw), tokenizer=tokenizer)
-    llm = LLM(engine=engine)
-    return llm
+    engine = Engine(EngineConfig(**kw), tokenizer=tokenizer)
+    return LLM(engine=engine), StepRecorder(engine)
 
 
 def _warm_up(llm, examples, max_tokens: int) -> None:
@@ -441,10 +441,10 @@ def evaluate(args) -> dict:
     baseline, baseline_runs = {}, {}
     has_refs = any(e.reference_ids for e in examples)
     if not args.skip_baseline or algo == "NONE":
-        llm = _make_llm(args, target, None, "NONE", 1, "greedy", tokenizer)
+        llm, recorder = _make_llm(args, target, None, "NONE", 1, "greedy", tokenizer)
         _warm_up(llm, examples, max_tokens)
         for t in temps:
-            run = _run(llm, examples, args, t, max_tokens, f"NONE T={t:g}")
+            run = _run(llm, recorder, examples, args, t, max_tokens, f"NONE T={t:g}")
             baseline_runs[t] = run
             baseline[t] = _summarise_baseline(run, examples, t, tokenizer, vocab)
             report["baseline"].append(baseline[t])
@@ -456,11 +456,12 @@ def evaluate(args) -> dict:
     if algo != "NONE":
         for num_steps in list(dict.fromkeys(args.num_steps)):
             for method in list(dict.fromkeys(args.draft_sample_method)):
-                llm = _make_llm(args, target, draft, algo, num_steps, method, tokenizer)
+                llm, recorder = _make_llm(args, target, draft, algo, num_steps, method,
+                                          tokenizer)
                 _warm_up(llm, examples, max_tokens)
                 for t in temps:
                     label = f"S={num_steps} T={t:g} {method}"
-                    run = _run(llm, examples, args, t, max_tokens, label)
+                    run = _run(llm, recorder, examples, args, t, max_tokens, label)
                     report["runs"].append(_summarise_spec(
                         run, examples, (num_steps, t, method), baseline.get(t),
                         baseline_runs.get(t), tokenizer, vocab))

@@ -1,22 +1,16 @@
-"""An Engine that keeps a per-request-step record of what every decode step did.
+"""A per-request-step record of what every decode step did, from the engine's step events.
 
-``RecordingEngine`` is the served ``Engine`` with two read-only additions, both made by
-overriding methods (no engine file changes):
+``StepRecorder(engine)`` subscribes to the engine's public step listener
+(``Engine.add_step_listener``) and keeps, read-only:
 
-* ``_record_stats(out, live)`` -- the engine calls it once per decode step with the
-  host copy of the step's ``StepOutput`` and the step's live ``{slot: request}``, right
-  after the one device read of the step. The override calls the engine's own bookkeeping first (so
-  ``engine.stats`` is unchanged), then appends one :class:`StepRecord` per live slot:
-  the request id, ``accept_len``, the tokens the step committed (before stop-condition
-  cuts), and the sampler's malformed-q / fallback counters. It also notes the request's
-  first-token time (``_Request.first_token_time``, set by the engine right after prefill).
-* ``step()`` -- stamps the time at which each request's ``finished`` output is returned.
+* one :class:`StepRecord` per live request of every collected decode step: the request
+  id, ``accept_len``, the tokens the step committed (before stop-condition cuts), and
+  the sampler's malformed-q / fallback counters;
+* each request's first-token time (the engine's ``RequestOutput.first_token_time``) and
+  the time ``step()`` returned its finished output.
 
 Per-request TPOT is then ``(finish_time - first_token_time) / (num_output_tokens - 1)``
 with both times on the engine's ``time.monotonic`` clock.
-
-The mixin form (``RecordingMixin``) lets ``eagle_jax.compare`` stack it on an engine
-whose step functions run op by op.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import time
 
 import numpy as np
 
-from eagle_jax.engine.engine import Engine
+from eagle_jax.engine.types import StepEvent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,50 +36,38 @@ class StepRecord:
     num_invalid: int  # committed ids outside [0, vocab_size)
 
 
-class RecordingMixin:
-    """Mix into an ``Engine`` subclass (before ``Engine`` in the bases)."""
+class StepRecorder:
+    """Records every request-step of ``engine`` (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs):
-        if not callable(getattr(super(), "_record_stats", None)):
-            raise TypeError("RecordingMixin needs Engine._record_stats(out, live), the "
-                            "engine's per-step bookkeeping hook; the engine no longer has it")
+    def __init__(self, engine):
+        self.vocab_size = engine.vocab_size
+        self.speculative = engine.num_steps > 0
         self.step_records: list[StepRecord] = []
         self.first_token_time: dict[str, float] = {}
         self.finish_time: dict[str, float] = {}
-        super().__init__(*args, **kwargs)
+        engine.add_step_listener(self)
 
-    def reset_records(self) -> None:
+    def reset(self) -> None:
         self.step_records.clear()
         self.first_token_time.clear()
         self.finish_time.clear()
 
-    def _record_stats(self, out, live, *args, **kwargs):
-        """``live``: the engine's {slot: request} of the step (or a list of slots)."""
-        super()._record_stats(out, live, *args, **kwargs)
-        step = self.stats.num_steps
-        items = (live.items() if isinstance(live, dict)
-                 else ((slot, self._slots[slot]) for slot in live))
-        for slot, req in items:
-            n = int(out.num_tokens[slot])
-            toks = tuple(int(t) for t in np.asarray(out.tokens[slot, :n]))
-            if req.first_token_time is not None:
-                self.first_token_time.setdefault(req.request_id, req.first_token_time)
-            self.step_records.append(StepRecord(
-                step=step, request_id=req.request_id,
-                accept_len=int(out.accept_len[slot]) if self.num_steps else 0,
-                tokens=toks,
-                num_malformed=int(out.num_malformed[slot]),
-                num_fallback=int(out.num_fallback[slot]),
-                num_invalid=sum(1 for t in toks if not 0 <= t < self.vocab_size)))
-
-    def step(self):
-        outputs = super().step()
+    def __call__(self, event: StepEvent) -> None:
+        out = event.output
+        if out is not None:
+            for slot, request_id in event.rows.items():
+                n = int(out.num_tokens[slot])
+                toks = tuple(int(t) for t in np.asarray(out.tokens[slot, :n]))
+                self.step_records.append(StepRecord(
+                    step=event.step, request_id=request_id,
+                    accept_len=int(out.accept_len[slot]) if self.speculative else 0,
+                    tokens=toks,
+                    num_malformed=int(out.num_malformed[slot]),
+                    num_fallback=int(out.num_fallback[slot]),
+                    num_invalid=sum(1 for t in toks if not 0 <= t < self.vocab_size)))
         now = time.monotonic()
-        for o in outputs:
+        for o in event.outputs:
+            if o.first_token_time is not None:
+                self.first_token_time.setdefault(o.request_id, o.first_token_time)
             if o.finished:
                 self.finish_time.setdefault(o.request_id, now)
-        return outputs
-
-
-class RecordingEngine(RecordingMixin, Engine):
-    """The served engine (jitted steps), recording every request-step."""

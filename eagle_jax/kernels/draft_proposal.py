@@ -9,6 +9,12 @@ other sampler), then
   makes it so), which is what the verifier's accept test expects.
 * other rows propose an inverse-CDF draw from q_b with ``uniform[b]``.
 
+Row check (seed 004). The proposal is where q is made, so it is where q is checked: a
+row is well formed iff every entry is a probability in [0, 1] (no NaN, no +-inf) and
+the row sums to 1 within ``ROW_SUM_TOLERANCE``. The verdict ``probs_ok`` travels with q
+into the verify sampler, which never accepts a draft token drawn from a malformed row
+(its residual would be biased even where q(d) itself looks valid) and counts it.
+
 With EAGLE-3's reduced draft vocabulary (``d2t``: target_id = draft_id +
 d2t[draft_id]) the token and q are mapped into the target vocabulary of width
 ``target_vocab_size``; ``d2t`` must be injective (it is, by construction of the
@@ -18,15 +24,16 @@ What the Pallas kernel does, and why only that: the filters are row reductions X
 already fuses well. The part that is worth a kernel is everything after them, which in
 XLA is a cumsum, an argmax, a compare-and-argmax for the draw and a scatter into a
 zeroed [B, V_target] buffer (five passes and a materialised CDF). The kernel reads q
-once for the mass, once for the running-cumsum draw (fused with the argmax), and
-scatters q into the target vocabulary in the first pass; the zeroed output buffer is
-an XLA memset aliased into the kernel (so every element is written exactly once
-without a cross-thread ordering question between a zero-fill and the scatter).
+once for the mass and the row check, once for the running-cumsum draw (fused with the
+argmax), and scatters q into the target vocabulary in the first pass; the zeroed output
+buffer is an XLA memset aliased into the kernel (so every element is written exactly
+once without a cross-thread ordering question between a zero-fill and the scatter).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +43,28 @@ from jax.experimental.pallas import triton as plgpu
 
 from eagle_jax.kernels import _common
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
+from eagle_jax.sampling import SamplingRows
 
 _NO_INDEX = 1 << 30
+
+# |sum(q) - 1| allowed for a well-formed row: float32 sums of a 152k-wide row drift by
+# ~1e-5; a row off by more than 1e-3 did not come from a softmax.
+ROW_SUM_TOLERANCE = 1e-3
+
+
+class DraftProposal(NamedTuple):
+  """One proposed token per row and the distribution it was drawn from."""
+
+  tokens: jax.Array  # [B] int32 target ids
+  probs: jax.Array  # [B, V_target] float32 q in the target vocabulary
+  probs_ok: jax.Array  # [B] bool: q is a well-formed distribution (the 004 row check)
+
+
+def probs_row_ok(q: jax.Array) -> jax.Array:
+  """[..., V] -> [...] bool: entries in [0, 1] (no NaN / inf) and sum within tolerance."""
+  entries_ok = jnp.all((q >= 0.0) & (q <= 1.0), axis=-1)
+  total = jnp.sum(jnp.where((q >= 0.0) & (q <= 1.0), q, 0.0), axis=-1)
+  return entries_ok & (jnp.abs(total - 1.0) <= ROW_SUM_TOLERANCE)
 
 
 def _block_size(draft_vocab: int, block_v: int | None) -> tuple[int, int]:
@@ -52,28 +79,34 @@ def _block_size(draft_vocab: int, block_v: int | None) -> tuple[int, int]:
 
 def _propose_kernel(flags_ref, u_ref, q_ref, *rest, draft_vocab, block, has_d2t):
   if has_d2t:
-    d2t_ref, _, tok_ref, q_out_ref = rest
+    d2t_ref, _, tok_ref, q_out_ref, ok_ref = rest
   else:
     d2t_ref = None
-    _, tok_ref, q_out_ref = rest
+    _, tok_ref, q_out_ref, ok_ref = rest
   b = pl.program_id(0)
   greedy = flags_ref[b] != 0
   num_blocks = pl.cdiv(draft_vocab, block)
 
-  def mass_and_scatter(k, total):
+  def mass_and_scatter(k, carry):
+    total, num_bad = carry
     cols = k * block + jnp.arange(block, dtype=jnp.int32)
     in_vocab = cols < draft_vocab
     # Lanes past the vocabulary re-read and re-store the last column, unmasked: a
     # duplicate store of the same value is well defined on a GPU and in interpret
     # mode alike, whereas a masked lane's scatter index would collide with a real one.
     cols = jnp.minimum(cols, draft_vocab - 1)
-    q = plgpu.load(q_ref.at[b, cols])
-    q = jnp.where((q > 0.0) & (q <= 1.0), q, 0.0)
+    q_raw = plgpu.load(q_ref.at[b, cols])
+    is_prob = (q_raw >= 0.0) & (q_raw <= 1.0)  # False for NaN
+    q = jnp.where(is_prob & (q_raw > 0.0), q_raw, 0.0)
     targets = cols if d2t_ref is None else cols + plgpu.load(d2t_ref.at[cols])
     plgpu.store(q_out_ref.at[b, targets], q)
-    return total + jnp.sum(jnp.where(in_vocab, q, 0.0))
+    return (total + jnp.sum(jnp.where(in_vocab, q, 0.0)),
+            num_bad + jnp.sum((in_vocab & ~is_prob).astype(jnp.int32)))
 
-  total = lax.fori_loop(0, num_blocks, mass_and_scatter, jnp.float32(0.0))
+  total, num_bad = lax.fori_loop(
+      0, num_blocks, mass_and_scatter, (jnp.float32(0.0), jnp.int32(0)))
+  row_ok = (num_bad == 0) & (jnp.abs(total - 1.0) <= ROW_SUM_TOLERANCE)
+  ok_ref[b] = jnp.where(row_ok, jnp.int32(1), jnp.int32(0))
   target = u_ref[b] * total
 
   def draw(k, carry):
@@ -109,76 +142,97 @@ def _propose_pallas(flags, uniform, q, d2t, target_width, *, block, num_warps, i
   operands = (flags, uniform, q) + ((d2t,) if has_d2t else ())
   zeros = jnp.zeros((batch, target_width), jnp.float32)
   q_out_index = len(operands)
-  tokens, q_target = pl.pallas_call(
+  tokens, q_target, ok = pl.pallas_call(
       functools.partial(_propose_kernel, draft_vocab=draft_vocab, block=block,
                         has_d2t=has_d2t),
       out_shape=(jax.ShapeDtypeStruct((batch,), jnp.int32),
-                 jax.ShapeDtypeStruct((batch, target_width), jnp.float32)),
+                 jax.ShapeDtypeStruct((batch, target_width), jnp.float32),
+                 jax.ShapeDtypeStruct((batch,), jnp.int32)),
       grid=(batch,),
       input_output_aliases={q_out_index: 1},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="draft_proposal",
   )(*operands, zeros)
-  return tokens, q_target
+  return DraftProposal(tokens, q_target, ok != 0)
 
 
-def _filtered_q(draft_logits, temperature, top_k, top_p, min_p, vocab_size):
-  return sampling_probs(draft_logits, temperature, top_k, top_p, min_p, vocab_size)
-
-
-def propose_draft_tokens_reference(
-    draft_logits, temperature, top_k, top_p, min_p, uniform, *, d2t=None,
-    target_vocab_size=None, vocab_size=None):
-  """Pure-jnp reference of :func:`propose_draft_tokens`."""
-  q = _filtered_q(draft_logits, temperature, top_k, top_p, min_p, vocab_size)
-  greedy = jnp.asarray(top_k) <= 1
+def propose_from_probs_reference(q, greedy, uniform, *, d2t=None, target_vocab_size=None):
+  """Pure-jnp reference of :func:`propose_from_probs`."""
+  ok = probs_row_ok(q)
+  q = jnp.where((q > 0.0) & (q <= 1.0), q, 0.0)
   tokens = jnp.where(greedy, jnp.argmax(q, axis=-1).astype(jnp.int32),
                      sample_from_probs(q, uniform)).astype(jnp.int32)
   if d2t is None:
-    return tokens, q
+    return DraftProposal(tokens, q, ok)
   d2t = jnp.asarray(d2t, jnp.int32)
   draft_ids = jnp.arange(q.shape[-1], dtype=jnp.int32)
   q_target = jnp.zeros((q.shape[0], target_vocab_size), jnp.float32)
   q_target = q_target.at[:, draft_ids + d2t].set(q)
-  return tokens + d2t[tokens], q_target
+  return DraftProposal(tokens + d2t[tokens], q_target, ok)
 
 
-def propose_draft_tokens(
-    draft_logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-    min_p: jax.Array, uniform: jax.Array, *, d2t: jax.Array | None = None,
-    target_vocab_size: int | None = None, vocab_size: int | None = None,
-    interpret: bool | None = None, block_v: int | None = None):
-  """Propose one draft token per row.
+def propose_from_probs(
+    q: jax.Array, greedy: jax.Array, uniform: jax.Array, *, d2t: jax.Array | None = None,
+    target_vocab_size: int | None = None, interpret: bool | None = None,
+    block_v: int | None = None) -> DraftProposal:
+  """Propose one draft token per row from its draft distribution q.
 
   Args:
-    draft_logits: [B, V_draft] float.
-    temperature, top_k, top_p, min_p: [B] row parameters (greedy iff top_k <= 1).
+    q: [B, V_draft] float32 probabilities (as sampling_probs makes them; malformed rows
+      are flagged in ``probs_ok``, and their entries outside (0, 1] count as 0).
+    greedy: [B] bool rows that propose their argmax (top_k <= 1, seed 001).
     uniform: [B] float32 in [0, 1).
     d2t: [V_draft] int32 offsets into the target vocabulary, or None.
     target_vocab_size: width of the returned q when d2t is given (required then).
-    vocab_size: real size of the draft vocabulary (<= V_draft); None means V_draft.
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
   Returns:
-    (tokens [B] int32 target ids, q [B, V_target] float32), V_target =
-    target_vocab_size with d2t, else V_draft.
+    DraftProposal: tokens [B] int32 target ids, probs [B, V_target] float32 (V_target =
+    target_vocab_size with d2t, else V_draft), probs_ok [B] bool.
   """
   if d2t is not None and target_vocab_size is None:
     raise ValueError("target_vocab_size is required with d2t")
-  q = _filtered_q(draft_logits, temperature, top_k, top_p, min_p, vocab_size)
   supported = (
       _common.kernel_backend_ok(interpret)
-      and draft_logits.ndim == 2
-      and (d2t is None or d2t.shape == draft_logits.shape[-1:])
+      and q.ndim == 2
+      and (d2t is None or d2t.shape == q.shape[-1:])
   )
   if not supported:
-    return propose_draft_tokens_reference(
-        draft_logits, temperature, top_k, top_p, min_p, uniform, d2t=d2t,
-        target_vocab_size=target_vocab_size, vocab_size=vocab_size)
+    return propose_from_probs_reference(q, greedy, uniform, d2t=d2t,
+                                        target_vocab_size=target_vocab_size)
   block, num_warps = _block_size(q.shape[-1], block_v)
-  flags = (jnp.asarray(top_k) <= 1).astype(jnp.int32)
   width = q.shape[-1] if d2t is None else int(target_vocab_size)
   return _propose_pallas(
-      flags, jnp.asarray(uniform, jnp.float32), q,
-      None if d2t is None else jnp.asarray(d2t, jnp.int32), width,
+      jnp.asarray(greedy).astype(jnp.int32), jnp.asarray(uniform, jnp.float32),
+      q.astype(jnp.float32), None if d2t is None else jnp.asarray(d2t, jnp.int32), width,
       block=block, num_warps=num_warps, interpret=_common.resolve_interpret(interpret))
+
+
+def propose_draft_tokens(
+    draft_logits: jax.Array, rows: SamplingRows, uniform: jax.Array, *,
+    d2t: jax.Array | None = None, target_vocab_size: int | None = None,
+    vocab_size: int | None = None, interpret: bool | None = None,
+    block_v: int | None = None) -> DraftProposal:
+  """Propose one draft token per row from the draft's logits.
+
+  Args:
+    draft_logits: [B, V_draft] float.
+    rows: the rows' sampling parameters ([B] each; greedy iff top_k <= 1).
+    uniform: [B] float32 in [0, 1).
+    d2t, target_vocab_size: as in :func:`propose_from_probs`.
+    vocab_size: real size of the draft vocabulary (<= V_draft); None means V_draft.
+  Returns:
+    DraftProposal (see :func:`propose_from_probs`).
+  """
+  q = sampling_probs(draft_logits, rows, vocab_size)
+  return propose_from_probs(q, rows.is_greedy, uniform, d2t=d2t,
+                            target_vocab_size=target_vocab_size, interpret=interpret,
+                            block_v=block_v)
+
+
+def propose_draft_tokens_reference(draft_logits, rows: SamplingRows, uniform, *, d2t=None,
+                                   target_vocab_size=None, vocab_size=None) -> DraftProposal:
+  """Pure-jnp reference of :func:`propose_draft_tokens`."""
+  q = sampling_probs(draft_logits, rows, vocab_size)
+  return propose_from_probs_reference(q, rows.is_greedy, uniform, d2t=d2t,
+                                      target_vocab_size=target_vocab_size)

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from eagle_jax.sampling import SamplingRows
+
 # Probability keys live in [0, 2**30): the bit pattern of float32 1.0 is 0x3F800000.
 _KEY_BITS = 30
 # Bits resolved per pass of the radix select: 2**4 - 1 = 15 candidate thresholds.
@@ -85,26 +87,29 @@ def _prob_keys(p):
   return lax.bitcast_convert_type(jnp.maximum(p, 0.0), jnp.int32)
 
 
+def _per_row(x, lead: tuple[int, ...], dtype) -> jax.Array:
+  """A row parameter of shape [B] (or a scalar) broadcast over ``lead`` = (B, ...)."""
+  x = jnp.asarray(x, dtype)
+  return jnp.broadcast_to(jnp.reshape(x, x.shape + (1,) * (len(lead) - x.ndim)), lead)
+
+
 def sampling_probs(
     logits: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    min_p: jax.Array,
+    rows: SamplingRows,
     vocab_size: int | None = None,
 ) -> jax.Array:
   """Filtered, renormalised sampling probabilities.
 
   Args:
-    logits: [..., V] float (any float dtype; computed in float32). Columns
+    logits: [B, ..., V] float (any float dtype; computed in float32). Columns
       ``>= vocab_size`` (padding of the embedding width) get probability 0. NaN
       logits count as -inf, +inf as the largest finite float.
-    temperature: [...] float, > 0 (temperature 0 is rewritten to greedy upstream, see
-      ``eagle_jax.sampling``; a non-positive value is treated as 1).
-    top_k: [...] int; ``>= V`` (e.g. TOP_K_ALL) disables the filter; ``<= 1`` is a
-      greedy row.
-    top_p: [...] float in (0, 1]; 1 disables the filter.
-    min_p: [...] float in [0, 1]; 0 disables the filter.
+    rows: the per-row parameters, each field [B] (or [B, ...] up to logits' leading
+      shape, or a scalar), broadcast over the positions of a row:
+      temperature > 0 (0 was rewritten to greedy upstream, see ``eagle_jax.sampling``;
+      a non-positive value is treated as 1); top_k ``>= V`` (e.g. TOP_K_ALL) disables
+      the filter, ``<= 1`` is a greedy row; top_p in (0, 1], 1 disables it; min_p in
+      [0, 1], 0 disables it.
     vocab_size: real vocabulary size (<= V); None means V.
   Returns:
     [..., V] float32 probabilities, each row summing to 1; greedy rows are exactly
@@ -115,10 +120,10 @@ def sampling_probs(
   if not 0 < vocab_size <= num_cols:
     raise ValueError(f"vocab_size {vocab_size} must be in (0, {num_cols}]")
   lead = logits.shape[:-1]
-  temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), lead)
-  top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), lead)
-  top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), lead)
-  min_p = jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), lead)
+  temperature = _per_row(rows.temperature, lead, jnp.float32)
+  top_k = _per_row(rows.top_k, lead, jnp.int32)
+  top_p = _per_row(rows.top_p, lead, jnp.float32)
+  min_p = _per_row(rows.min_p, lead, jnp.float32)
 
   x = logits.astype(jnp.float32)
   in_vocab = jnp.arange(num_cols) < vocab_size

@@ -30,6 +30,10 @@ kernel):
 Guards (seed 004: a recycled draft_probs buffer filled with -inf made ``p - q`` +inf,
 the residual draw never fired and the kernel committed a fixed id past the tokenizer):
 
+* A draft token is accepted only if its q row passed the proposal's row check
+  (``draft_probs_ok``: entries in [0, 1], sum 1; see ``draft_proposal.py``): a row
+  malformed anywhere would bias the residual even where q_i(d_i) looks valid. Such a
+  position is rejected, counted in ``num_malformed_q``, and its residual is p_i itself.
 * A draft token is accepted only if ``q_i(d_i)`` is a probability in (0, 1]: d_i was
   drawn from q_i, so q_i(d_i) > 0; a NaN, +-inf, 0, negative or > 1 entry rejects (it
   would otherwise accept unconditionally, ``u * -inf < p``), and is counted in
@@ -77,6 +81,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from eagle_jax.kernels import _common
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
+from eagle_jax.sampling import SamplingRows
 
 PAD_TOKEN = -1
 
@@ -136,11 +141,14 @@ def _count(flag):
   return jnp.where(flag, jnp.int32(1), jnp.int32(0))
 
 
-def _accept_tests(b, tok_ref, u_ref, p_ref, q_ref, *, num_draft, num_pos_pad, vocab_size):
+def _accept_tests(b, tok_ref, u_ref, p_ref, q_refs, *, num_draft, num_pos_pad, vocab_size):
   """The sampling accept tests of row b: O(S) gathers.
 
-  Returns (draft [P] i32, accept_len i32, malformed entries i32) with P = num_pos_pad
-  >= S+1; positions >= S are padding (never accepted).
+  ``q_refs`` is (q [B, S, V], q_ok [B, S] i32 row verdicts) or None (one-hot q).
+  Returns (draft [P] i32, accept_len i32, malformed i32, counted [P] bool) with P =
+  num_pos_pad >= S+1; positions >= S are padding (never accepted). ``malformed`` counts
+  the positions whose q(d) is not a probability or whose q row is flagged malformed;
+  ``counted`` marks them.
   """
   pos = jnp.arange(num_pos_pad, dtype=jnp.int32)
   in_draft = pos < num_draft
@@ -148,35 +156,42 @@ def _accept_tests(b, tok_ref, u_ref, p_ref, q_ref, *, num_draft, num_pos_pad, vo
   valid = in_draft & (draft >= 0) & (draft < vocab_size)
   safe = jnp.where(valid, draft, 0)
   p_d = _as_prob(plgpu.load(p_ref.at[b, pos, safe], mask=valid, other=0.0))
-  if q_ref is None:
+  if q_refs is None:
     q_d = jnp.where(valid, 1.0, 0.0)
+    row_ok = in_draft
   else:
+    q_ref, q_ok_ref = q_refs
     q_d = plgpu.load(q_ref.at[b, pos, safe], mask=valid, other=0.0)
+    row_ok = plgpu.load(q_ok_ref.at[b, pos], mask=in_draft, other=0) != 0
   q_is_prob = (q_d > 0.0) & (q_d <= 1.0)  # False for NaN
   coin = plgpu.load(u_ref.at[b, pos], mask=in_draft, other=1.0)
-  accept = valid & q_is_prob & (coin * q_d < p_d)
+  accept = valid & q_is_prob & row_ok & (coin * q_d < p_d)
   accept_len = jnp.min(jnp.where(accept, num_draft, pos)).astype(jnp.int32)
-  malformed = jnp.sum((valid & ~q_is_prob).astype(jnp.int32))
-  return draft, accept_len, malformed
+  counted = (valid & ~q_is_prob) | (in_draft & ~row_ok)
+  return draft, accept_len, jnp.sum(counted.astype(jnp.int32)), counted
 
 
-def _residual_block(b, j, cols, tok_ref, p_ref, q_ref, *, num_draft, vocab_size):
+def _residual_block(b, j, cols, tok_ref, p_ref, q_refs, *, num_draft, vocab_size):
   """(residual, p, q-entry-invalid) for columns `cols` of row b at position j.
 
   The residual is max(p_j - q_j, 0); at j == S (the bonus) there is no q and it is p.
+  A q row flagged malformed counts as q = 0: its draft token was rejected outright, so
+  drawing from p_j itself keeps the emitted token distributed as p_j.
   """
   in_vocab = cols < vocab_size
   p = _as_prob(plgpu.load(p_ref.at[b, j, cols], mask=in_vocab, other=0.0))
   has_q = j < num_draft
   jq = jnp.minimum(j, num_draft - 1)
-  if q_ref is None:
+  if q_refs is None:
     d = plgpu.load(tok_ref.at[b, jq])
     q = jnp.where(has_q & (cols == d), 1.0, 0.0)
     bad = jnp.zeros(cols.shape, jnp.bool_)
   else:
+    q_ref, q_ok_ref = q_refs
+    row_ok = q_ok_ref[b, jq] != 0
     q_raw = plgpu.load(q_ref.at[b, jq, cols], mask=in_vocab & has_q, other=0.0)
     ok = (q_raw >= 0.0) & (q_raw <= 1.0)
-    q = jnp.where(ok, q_raw, 0.0)
+    q = jnp.where(ok & row_ok, q_raw, 0.0)
     bad = in_vocab & has_q & ~ok
   return jnp.maximum(p - q, 0.0), p, bad
 
@@ -185,17 +200,14 @@ def _partials_kernel(
     flags_ref, tok_ref, u_ref, p_ref, *rest,
     num_draft, num_pos_pad, vocab_size, block, chunk, has_q,
 ):
-  if has_q:
-    q_ref, max_ref, arg_ref, mass_r_ref, mass_p_ref, bad_ref = rest
-  else:
-    q_ref = None
-    max_ref, arg_ref, mass_r_ref, mass_p_ref, bad_ref = rest
+  q_refs, rest = (rest[:2], rest[2:]) if has_q else (None, rest)
+  max_ref, arg_ref, mass_r_ref, mass_p_ref, bad_ref = rest
   b, i, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   flags = flags_ref[b]
   active = (flags & _ACTIVE) != 0
   greedy = (flags & _GREEDY) != 0
-  _, accept_len, _ = _accept_tests(
-      b, tok_ref, u_ref, p_ref, q_ref,
+  _, accept_len, _, _ = _accept_tests(
+      b, tok_ref, u_ref, p_ref, q_refs,
       num_draft=num_draft, num_pos_pad=num_pos_pad, vocab_size=vocab_size)
   base = c * chunk
   num_blocks = chunk // block
@@ -234,7 +246,7 @@ def _partials_kernel(
       mass_r, mass_p, bad = carry
       cols = base + k * block + jnp.arange(block, dtype=jnp.int32)
       r, p, bad_blk = _residual_block(
-          b, i, cols, tok_ref, p_ref, q_ref, num_draft=num_draft, vocab_size=vocab_size)
+          b, i, cols, tok_ref, p_ref, q_refs, num_draft=num_draft, vocab_size=vocab_size)
       return (mass_r + jnp.sum(r), mass_p + jnp.sum(p),
               bad + jnp.sum(bad_blk.astype(jnp.int32)))
 
@@ -252,17 +264,14 @@ def _finish_kernel(
     flags_ref, tok_ref, u_ref, p_ref, *rest,
     num_draft, num_pos_pad, num_chunks, num_chunks_pad, vocab_size, block, chunk, has_q,
 ):
-  if has_q:
-    q_ref, max_ref, arg_ref, mass_r_ref, mass_p_ref, bad_ref, out_tok_ref, stats_ref = rest
-  else:
-    q_ref = None
-    max_ref, arg_ref, mass_r_ref, mass_p_ref, bad_ref, out_tok_ref, stats_ref = rest
+  q_refs, rest = (rest[:2], rest[2:]) if has_q else (None, rest)
+  max_ref, arg_ref, mass_r_ref, mass_p_ref, bad_ref, out_tok_ref, stats_ref = rest
   b = pl.program_id(0)
   flags = flags_ref[b]
   active = (flags & _ACTIVE) != 0
   greedy = (flags & _GREEDY) != 0
-  draft, accept_len_s, malformed_entries = _accept_tests(
-      b, tok_ref, u_ref, p_ref, q_ref,
+  draft, accept_len_s, malformed_positions, counted = _accept_tests(
+      b, tok_ref, u_ref, p_ref, q_refs,
       num_draft=num_draft, num_pos_pad=num_pos_pad, vocab_size=vocab_size)
   pos = jnp.arange(num_pos_pad, dtype=jnp.int32)
   chunk_ids = jnp.arange(num_chunks_pad, dtype=jnp.int32)
@@ -305,7 +314,7 @@ def _finish_kernel(
       running, found, last_pos = carry
       cols = base + k * block + jnp.arange(block, dtype=jnp.int32)
       r, p, _ = _residual_block(
-          b, j, cols, tok_ref, p_ref, q_ref, num_draft=num_draft, vocab_size=vocab_size)
+          b, j, cols, tok_ref, p_ref, q_refs, num_draft=num_draft, vocab_size=vocab_size)
       w = jnp.where(fallback, p, r)
       csum = running + jnp.cumsum(w)
       first = jnp.min(jnp.where((csum > local_target) & (w > 0.0), cols, _NO_INDEX))
@@ -327,17 +336,11 @@ def _finish_kernel(
   plgpu.store(out_tok_ref.at[b, pos], tokens.astype(jnp.int32), mask=pos <= num_draft)
 
   sampling = active & ~greedy
-  # A malformed row at j counts once, also when its entry q_j(d_j) already counted.
-  draft_j = jnp.sum(jnp.where(pos == j, draft, 0))
-  entry_j_bad = (j < num_draft) & (draft_j >= 0) & (draft_j < vocab_size)
-  if q_ref is None:
-    entry_j_bad = entry_j_bad & (draft_j < 0)  # one-hot q is never malformed
-  else:
-    safe_j = jnp.clip(draft_j, 0, vocab_size - 1)
-    q_j = plgpu.load(q_ref.at[b, jnp.minimum(j, num_draft - 1), safe_j])
-    entry_j_bad = entry_j_bad & ~((q_j > 0.0) & (q_j <= 1.0))
-  row_only_bad = (j < num_draft) & row_bad & ~entry_j_bad
-  malformed = malformed_entries + _count(row_only_bad)
+  # A residual at j holding malformed entries counts once, also when position j already
+  # counted (its q_j(d_j) or its row verdict).
+  counted_j = jnp.sum(jnp.where((pos == j) & counted, 1, 0)) > 0
+  row_only_bad = (j < num_draft) & row_bad & ~counted_j
+  malformed = malformed_positions + _count(row_only_bad)
   field = jnp.arange(4, dtype=jnp.int32)  # accept_len, num_tokens, malformed, fallback
   stats = jnp.where(
       field == 0, accept_len,
@@ -353,12 +356,13 @@ def _finish_kernel(
 
 
 def _speculative_sample_pallas(
-    flags, draft_tokens, uniforms, p, q, *, vocab_size, block, chunk, interpret, num_stages):
+    flags, draft_tokens, uniforms, p, q, q_ok, *, vocab_size, block, chunk, interpret,
+    num_stages):
   batch, num_draft = draft_tokens.shape
   num_pos_pad = _common.next_power_of_2(num_draft + 1)
   num_chunks = _common.cdiv(vocab_size, chunk)
   has_q = q is not None
-  operands = (flags, draft_tokens, uniforms, p) + ((q,) if has_q else ())
+  operands = (flags, draft_tokens, uniforms, p) + ((q, q_ok) if has_q else ())
   part_shape = (batch, num_draft + 1, num_chunks)
   partials = pl.pallas_call(
       functools.partial(
@@ -398,8 +402,8 @@ def _speculative_sample_pallas(
 # --------------------------------------------------------------------------------------
 
 
-def _prepare(draft_tokens, draft_probs, target_logits, temperature, top_k, top_p, min_p,
-             uniforms, vocab_size, active, target_is_probs):
+def _prepare(draft_tokens, draft_probs, target_logits, rows, uniforms, vocab_size, active,
+             draft_probs_ok, target_is_probs):
   batch, num_draft = draft_tokens.shape
   if target_logits.shape[:2] != (batch, num_draft + 1):
     raise ValueError(f"target_logits {target_logits.shape} vs draft_tokens {draft_tokens.shape}")
@@ -407,28 +411,32 @@ def _prepare(draft_tokens, draft_probs, target_logits, temperature, top_k, top_p
     raise ValueError(f"vocab_size {vocab_size} vs V {target_logits.shape[-1]}")
   if draft_probs is not None and draft_probs.shape != (batch, num_draft, target_logits.shape[-1]):
     raise ValueError(f"draft_probs {draft_probs.shape} vs target_logits {target_logits.shape}")
-  top_k = jnp.asarray(top_k, jnp.int32)
+  if draft_probs_ok is not None and draft_probs_ok.shape != (batch, num_draft):
+    raise ValueError(f"draft_probs_ok {draft_probs_ok.shape} vs draft_tokens "
+                     f"{draft_tokens.shape}")
   if target_is_probs:
     p = target_logits.astype(jnp.float32)
   else:
-    bcast = lambda x: jnp.broadcast_to(jnp.asarray(x)[:, None], (batch, num_draft + 1))
-    p = sampling_probs(target_logits, bcast(temperature), bcast(top_k), bcast(top_p),
-                       bcast(min_p), vocab_size)
+    p = sampling_probs(target_logits, rows, vocab_size)
   active = jnp.ones((batch,), bool) if active is None else jnp.asarray(active, bool)
-  greedy = top_k <= 1
+  greedy = jnp.asarray(rows.top_k, jnp.int32) <= 1
   flags = (jnp.where(active, _ACTIVE, 0) | jnp.where(greedy, _GREEDY, 0)).astype(jnp.int32)
-  q = None if draft_probs is None else draft_probs.astype(jnp.float32)
+  q = q_ok = None
+  if draft_probs is not None:
+    q = draft_probs.astype(jnp.float32)
+    q_ok = (jnp.ones((batch, num_draft), jnp.int32) if draft_probs_ok is None
+            else jnp.asarray(draft_probs_ok).astype(jnp.int32))
   return (flags, jnp.asarray(draft_tokens, jnp.int32), jnp.asarray(uniforms, jnp.float32),
-          p, q, active, greedy)
+          p, q, q_ok, active, greedy)
 
 
 def speculative_sample_reference(
-    draft_tokens, draft_probs, target_logits, temperature, top_k, top_p, min_p, uniforms,
-    vocab_size: int, active=None, *, target_is_probs: bool = False) -> SamplerOutput:
+    draft_tokens, draft_probs, target_logits, rows: SamplingRows, uniforms, vocab_size: int,
+    active=None, *, draft_probs_ok=None, target_is_probs: bool = False) -> SamplerOutput:
   """Pure-jnp reference of :func:`speculative_sample` (same arguments and result)."""
-  _, d, u, p, q, active, greedy = _prepare(
-      draft_tokens, draft_probs, target_logits, temperature, top_k, top_p, min_p,
-      uniforms, vocab_size, active, target_is_probs)
+  _, d, u, p, q, q_ok, active, greedy = _prepare(
+      draft_tokens, draft_probs, target_logits, rows, uniforms, vocab_size, active,
+      draft_probs_ok, target_is_probs)
   batch, num_draft = d.shape
   cols = jnp.arange(p.shape[-1])
   in_vocab = cols < vocab_size
@@ -441,12 +449,15 @@ def speculative_sample_reference(
   p_d = jnp.where(valid, jnp.take_along_axis(p[:, :num_draft], safe[..., None], -1)[..., 0], 0.0)
   if q is None:
     q_d = jnp.where(valid, 1.0, 0.0)
+    row_ok = jnp.ones(d.shape, bool)
   else:
     q_d = jnp.where(valid, jnp.take_along_axis(q, safe[..., None], -1)[..., 0], 0.0)
+    row_ok = q_ok != 0
   q_is_prob = (q_d > 0.0) & (q_d <= 1.0)
-  accept = valid & q_is_prob & (u[:, :num_draft] * q_d < p_d)
+  accept = valid & q_is_prob & row_ok & (u[:, :num_draft] * q_d < p_d)
   accept_len_s = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
-  malformed_entries = jnp.sum(valid & ~q_is_prob, axis=1)
+  counted = (valid & ~q_is_prob) | ~row_ok
+  malformed_positions = jnp.sum(counted, axis=1)
 
   argmax_p = jnp.argmax(jnp.where(in_vocab, p, -1.0), axis=-1).astype(jnp.int32)  # [B, S+1]
   matches = d == argmax_p[:, :num_draft]
@@ -462,9 +473,9 @@ def speculative_sample_reference(
     row_bad = jnp.zeros((batch,), bool)
   else:
     q_raw = q[rows, jq]
-    q_ok = (q_raw >= 0.0) & (q_raw <= 1.0)
-    q_j = jnp.where(has_q & q_ok, q_raw, 0.0)
-    row_bad = jnp.any(in_vocab & has_q & ~q_ok, axis=-1)
+    entry_ok = (q_raw >= 0.0) & (q_raw <= 1.0)
+    q_j = jnp.where(has_q & entry_ok & row_ok[rows, jq][:, None], q_raw, 0.0)
+    row_bad = jnp.any(in_vocab & has_q & ~entry_ok, axis=-1)
   residual = jnp.where(in_vocab, jnp.maximum(p_j - q_j, 0.0), 0.0)
   fallback = ~(jnp.sum(residual, axis=-1) > 0.0)
   weights = jnp.where(fallback[:, None], p_j, residual)
@@ -472,8 +483,8 @@ def speculative_sample_reference(
   token_s = sample_from_probs(weights, coin)
   uniform_token = jnp.minimum((coin * vocab_size).astype(jnp.int32), vocab_size - 1)
   token_s = jnp.where(jnp.any(weights > 0, axis=-1), token_s, uniform_token)
-  entry_j_bad = (j < num_draft) & valid[rows, jq] & ~q_is_prob[rows, jq]
-  malformed = malformed_entries + jnp.where(row_bad & ~entry_j_bad, 1, 0)
+  counted_j = (j < num_draft) & counted[rows, jq]
+  malformed = malformed_positions + jnp.where(row_bad & ~counted_j, 1, 0)
 
   accept_len = jnp.where(greedy, accept_len_g, accept_len_s)
   token = jnp.where(greedy, token_g, token_s)
@@ -498,8 +509,8 @@ def speculative_sample_reference(
 
 
 def speculative_sample(
-    draft_tokens, draft_probs, target_logits, temperature, top_k, top_p, min_p, uniforms,
-    vocab_size: int, active=None, *, target_is_probs: bool = False,
+    draft_tokens, draft_probs, target_logits, rows: SamplingRows, uniforms,
+    vocab_size: int, active=None, *, draft_probs_ok=None, target_is_probs: bool = False,
     interpret: bool | None = None, block_v: int | None = None,
     chunk_v: int | None = None, num_stages: int = 3) -> SamplerOutput:
   """Verify S draft tokens per row against the target (see the module docstring).
@@ -508,10 +519,12 @@ def speculative_sample(
     draft_tokens: [B, S] int32 draft ids (any value; out-of-range ones are rejected).
     draft_probs: [B, S, V] float32 draft distributions, or None for one-hot drafts.
     target_logits: [B, S+1, V] target logits (probabilities if target_is_probs).
-    temperature, top_k, top_p, min_p: [B] per-row sampling parameters.
+    rows: the rows' sampling parameters, each field [B] (greedy iff top_k <= 1).
     uniforms: [B, S+1] float32 in [0, 1): S accept coins, then the final draw.
     vocab_size: the tokenizer's vocabulary size (<= V); no id >= it is emitted.
     active: [B] bool or None (all active); inactive rows emit only PAD_TOKEN.
+    draft_probs_ok: [B, S] bool verdicts of the proposal's row check (None: all well
+      formed); a draft token from a malformed row is never accepted, and is counted.
     target_is_probs: target_logits already holds probabilities (no filtering).
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
     block_v, chunk_v: override the block-size heuristic (tests, tuning).
@@ -520,8 +533,7 @@ def speculative_sample(
   Returns:
     SamplerOutput with tokens [B, S+1] and per-row counters [B].
   """
-  args = (draft_tokens, draft_probs, target_logits, temperature, top_k, top_p, min_p,
-          uniforms, vocab_size, active)
+  args = (draft_tokens, draft_probs, target_logits, rows, uniforms, vocab_size, active)
   supported = (
       _common.kernel_backend_ok(interpret)
       and draft_tokens.ndim == 2 and draft_tokens.shape[1] >= 1
@@ -529,11 +541,10 @@ def speculative_sample(
       and (draft_probs is None or jnp.issubdtype(draft_probs.dtype, jnp.floating))
   )
   if not supported:
-    return speculative_sample_reference(*args, target_is_probs=target_is_probs)
-  flags, d, u, p, q, _, _ = _prepare(
-      draft_tokens, draft_probs, target_logits, temperature, top_k, top_p, min_p,
-      uniforms, vocab_size, active, target_is_probs)
+    return speculative_sample_reference(*args, draft_probs_ok=draft_probs_ok,
+                                        target_is_probs=target_is_probs)
+  flags, d, u, p, q, q_ok, _, _ = _prepare(*args, draft_probs_ok, target_is_probs)
   block, chunk = _block_sizes(vocab_size, block_v, chunk_v)
   return _speculative_sample_pallas(
-      flags, d, u, p, q, vocab_size=vocab_size, block=block, chunk=chunk,
+      flags, d, u, p, q, q_ok, vocab_size=vocab_size, block=block, chunk=chunk,
       interpret=_common.resolve_interpret(interpret), num_stages=num_stages)

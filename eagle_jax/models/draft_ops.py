@@ -1,13 +1,16 @@
-"""Pure functions over a draft module that the engine's jitted step calls.
+"""The draft's two operations in the engine's step: extend over committed tokens, decode.
+
+These are the functions the engine's jitted prefill and speculative step call (and the
+tests call the same ones): there is one extend, whether the window is a prompt chunk
+or the verified window of a speculative step.
 
 Convention (as sglang): the draft row at position j takes (token x_{j+1}, the target's
-feature at position j) and predicts x_{j+2}. So
-
-* prefill: the prompt's target features [0, L) with the prompt tokens shifted left by
-  one, the last row's token being the target's first sampled token (``shift_tokens``);
-* decode: one row per request, fed back the previous step's ``hidden_out``;
-* extend over a verified window: every row's KV entry and hidden state is kept, but only
-  ``rows[b]`` (the last accepted position) goes through the LM head (seed 000).
+feature at position j) and predicts x_{j+2}. So an extend over committed tokens
+x_j .. x_{j+n-1} (the target's positions j .. j+n-1) needs the token after them,
+``next_token``: the next prompt token for a prompt chunk, the target's first sampled
+token after the prompt's last chunk, the token the verifier emitted after an accepted
+window. Only the window's last row goes through the LM head (seed 000): [B, Vd]
+logits, never [B, T, Vd].
 
 Every function returns new arrays; the cache is threaded functionally (donate it).
 Padding rows carry a position >= the cache length (their KV writes are dropped).
@@ -40,8 +43,8 @@ class DraftOutput(NamedTuple):
 def shift_tokens(tokens: Array, lengths: Array, next_token: Array) -> Array:
     """tokens [B, T], lengths [B], next_token [B] -> [B, T] shifted left by one.
 
-    Row j < lengths[b] - 1 gets tokens[b, j + 1]; row lengths[b] - 1 gets next_token[b]
-    (the target's first sampled token); rows past the length keep 0 (padding).
+    Row j < lengths[b] - 1 gets tokens[b, j + 1]; row lengths[b] - 1 gets next_token[b];
+    rows past the length get 0 (padding).
     """
     t = tokens.shape[1]
     j = jnp.arange(t)[None, :]
@@ -51,34 +54,25 @@ def shift_tokens(tokens: Array, lengths: Array, next_token: Array) -> Array:
     return jnp.where(j == last, next_token[:, None].astype(tokens.dtype), out).astype(tokens.dtype)
 
 
-def draft_extend(draft: Draft, tokens: Array, features: Array, positions: Array, rows: Array,
-                 cache: KVCache, slots: Array | None = None) -> DraftOutput:
-    """Runs the draft over T rows of target features, projecting only ``rows``.
+def draft_extend(draft: Draft, tokens: Array, next_token: Array, lengths: Array,
+                 features: Array, positions: Array, cache: KVCache,
+                 slots: Array | None = None) -> DraftOutput:
+    """Runs the draft over windows of committed tokens, projecting only each last row.
 
-    tokens [B, T] i32 (already shifted: row j holds x_{j+1}); features [B, T, F] raw
-    target features (``draft.project`` is applied here); positions [B, T]; rows [B] the
-    row (index into T) of each request whose logits are wanted; slots [B] the cache rows
-    the requests own (None: rows 0..B-1).
-    """
-    hidden_all, cache = draft(tokens, draft.project(features), positions, cache, slots)
-    logits = draft.select_logits(hidden_all, rows)
-    idx = jnp.clip(rows.astype(jnp.int32), 0, tokens.shape[1] - 1)
-    hidden = jnp.take_along_axis(hidden_all, idx[:, None, None], axis=1)[:, 0]
-    return DraftOutput(logits, hidden, hidden_all, cache)
-
-
-def draft_prefill_extend(draft: Draft, prompt_tokens: Array, next_token: Array, lengths: Array,
-                         features: Array, positions: Array, cache: KVCache,
-                         slots: Array | None = None) -> DraftOutput:
-    """The draft's prefill over a (padded) prompt bucket.
-
-    prompt_tokens [B, T] the prompt as the target saw it; next_token [B] the target's first
-    sampled token; lengths [B] prompt lengths (>= 1); features [B, T, F] the target's
-    features at the prompt positions; positions [B, T] (padding >= cache length).
+    tokens [B, T] i32: the committed tokens as the target saw them (row j at position
+    ``positions[b, j]``), valid for j < lengths[b] (>= 1); next_token [B]: the committed
+    token after each window; features [B, T, F]: the target's raw features at those
+    positions (``draft.project`` is applied here); positions [B, T] (padding >= the cache
+    length); slots [B]: the cache rows the requests own (None: rows 0..B-1).
     The logits are those of row lengths - 1, predicting the token after ``next_token``.
     """
-    tokens = shift_tokens(prompt_tokens, lengths, next_token)
-    return draft_extend(draft, tokens, features, positions, lengths - 1, cache, slots)
+    shifted = shift_tokens(tokens, lengths, next_token)
+    hidden_all, cache = draft(shifted, draft.project(features), positions, cache, slots)
+    rows = lengths.astype(jnp.int32) - 1
+    logits = draft.select_logits(hidden_all, rows)
+    idx = jnp.clip(rows, 0, tokens.shape[1] - 1)
+    hidden = jnp.take_along_axis(hidden_all, idx[:, None, None], axis=1)[:, 0]
+    return DraftOutput(logits, hidden, hidden_all, cache)
 
 
 def draft_decode_step(draft: Draft, token: Array, hidden: Array, position: Array,
