@@ -63,33 +63,6 @@ _ERROR_TYPES = {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte <-> printable character map of byte-level BPE."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-_BYTE_DECODER = {v: k for k, v in _bytes_to_unicode().items()}
-
-
-def _is_byte_level(tokenizer) -> bool:
-    try:
-        cfg = json.loads(tokenizer.backend.to_str())
-    except Exception:
-        return False
-    dec = cfg.get("decoder") or {}
-    kinds = {dec.get("type")} | {d.get("type") for d in dec.get("decoders", []) or []}
-    return "ByteLevel" in kinds
-
-
 def _usage(num_prompt_tokens: int, choices) -> dict:
     """OpenAI ``usage``: prompt tokens once, completion tokens summed over the choices."""
     completion = sum(len(c.token_ids) for c in choices)
@@ -246,9 +219,6 @@ class OpenAIServer:
         self.async_engine = AsyncEngine(
             engine, self.metrics, log_interval=log_interval, max_queue_len=max_queue_len
         )
-        self._token_str_cache: dict[int, str] = {}
-        self._special_ids = set(getattr(self.tokenizer, "all_special_ids", ()))
-        self._byte_level = _is_byte_level(self.tokenizer)
 
     # ------------------------------------------------------------- helpers
     def check_model(self, model: str | None) -> None:
@@ -289,25 +259,8 @@ class OpenAIServer:
             msg, field = _validation_message(e)
             raise _bad(msg, field)
 
-    def token_str(self, token_id: int) -> str:
-        s = self._token_str_cache.get(token_id)
-        if s is None:
-            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_str_cache) < 1 << 20:
-                self._token_str_cache[token_id] = s
-        return s
-
-    def token_bytes(self, token_id: int) -> list[int]:
-        """Raw bytes of a token: a byte-level BPE piece maps back to its bytes, even when
-        it holds part of a multi-byte character (its decoded text is then U+FFFD)."""
-        piece = self.tokenizer.id_to_token(token_id)
-        if piece is not None and token_id not in self._special_ids and \
-                all(ch in _BYTE_DECODER for ch in piece) and self._byte_level:
-            return [_BYTE_DECODER[ch] for ch in piece]
-        return list(self.token_str(token_id).encode())
-
     def _ts(self, token_id: int, as_ids: bool) -> str:
-        return f"token_id:{token_id}" if as_ids else self.token_str(token_id)
+        return f"token_id:{token_id}" if as_ids else self.tokenizer.token_text(token_id)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         for t in ids:
@@ -496,9 +449,11 @@ class OpenAIServer:
                 if i >= num_top:
                     break
                 ks = self._ts(k, as_ids)
-                top.append({"token": ks, "logprob": self._lp(v), "bytes": self.token_bytes(k)})
+                top.append({"token": ks, "logprob": self._lp(v),
+                            "bytes": list(self.tokenizer.token_bytes(k))})
             content.append({"token": s, "logprob": self._lp(e.logprob),
-                            "bytes": self.token_bytes(e.token_id), "top_logprobs": top})
+                            "bytes": list(self.tokenizer.token_bytes(e.token_id)),
+                            "top_logprobs": top})
         return {"content": content}
 
     # -------------------------------------------------------- completions
