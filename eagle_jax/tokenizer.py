@@ -15,6 +15,10 @@ first. Chat templates render with a sandboxed jinja2 environment configured as
 ``transformers`` configures it (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``,
 ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII text).
 
+``token_text`` / ``token_bytes`` give one token's text and raw bytes (the logprob
+``token`` and ``bytes`` of the OpenAI API); a byte-level BPE token maps back to its bytes
+even when it holds only part of a multi-byte character.
+
 ``IncrementalDetokenizer`` turns a growing stream of token ids into text deltas. It
 decodes a short window of ids (the offsets algorithm of TGI / vLLM) and holds back text
 that ends in U+FFFD, the replacement character a byte-level BPE produces while a
@@ -25,6 +29,7 @@ equal ``tokenizer.decode(all_ids)``.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from typing import Any, Iterable, Sequence
@@ -32,6 +37,23 @@ from typing import Any, Iterable, Sequence
 import tokenizers
 
 _REPLACEMENT = "\ufffd"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of byte-level BPE: each byte to the printable character that spells it."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_DECODER = {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
 def _token_content(value: Any) -> str | None:
@@ -123,6 +145,7 @@ class Tokenizer:
             and probe_special[-1] == self.eos_token_id
         )
         self._compiled_templates: dict[str, Any] = {}
+        self._token_texts: dict[int, str] = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -238,6 +261,44 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # -------------------------------------------------------------- one token
+    def token_text(self, token_id: int) -> str:
+        """The text of one token decoded alone, special tokens kept.
+
+        Cached: logprob formatting asks for the same few thousand tokens over and over.
+        Only ids of the vocabulary are cached, so the cache is bounded by its size.
+        """
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=False)
+            if self.id_to_token(token_id) is not None:
+                self._token_texts[token_id] = text
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token.
+
+        A byte-level BPE piece maps back to its bytes, even when it holds part of a
+        multi-byte character (its ``token_text`` is then U+FFFD); special tokens and the
+        tokens of other tokenizers are their text in UTF-8.
+        """
+        piece = self.id_to_token(token_id)
+        if piece is not None and self._is_byte_level and token_id not in self._special_ids \
+                and all(ch in _BYTE_DECODER for ch in piece):
+            return bytes(_BYTE_DECODER[ch] for ch in piece)
+        return self.token_text(token_id).encode()
+
+    @functools.cached_property
+    def _is_byte_level(self) -> bool:
+        """Whether the decoder (or one in its sequence) is byte-level BPE's."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+        return "ByteLevel" in kinds
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.all_special_ids)
 
     # ------------------------------------------------------------ chat template
     def get_chat_template(self, name: str | None = None) -> str:

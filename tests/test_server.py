@@ -338,6 +338,14 @@ def test_echo_prompt_logprobs_lm_eval_style(http):
                                             "stream": True})
     ev = parse_sse(r5.text)
     assert ev[-1] == "[DONE]" and ev[0]["choices"][0]["text"] == prompt
+    # Echo-only streams end like every stream: the usage chunk, "usage": null before it.
+    r6 = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0, "echo": True,
+                                            "stream": True,
+                                            "stream_options": {"include_usage": True}})
+    ev = parse_sse(r6.text)
+    assert ev[0]["usage"] is None and ev[0]["choices"][0]["finish_reason"] == "length"
+    assert ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == 0
+    assert ev[-1] == "[DONE]"
 
 
 def test_completion_streaming(http, client):

@@ -37,6 +37,31 @@ def test_vocab_and_special_tokens(tok):
     assert tok.token_to_id("definitely-not-a-token") is None
 
 
+def test_token_bytes_byte_level(tok):
+    text = "Hello café 🙂"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    # The 4-byte emoji spans several tokens: a piece of it decodes alone to U+FFFD, yet
+    # its bytes are the raw ones.
+    emoji = tok.encode("🙂", add_special_tokens=False)
+    assert len(emoji) > 1 and "\ufffd" in tok.token_text(emoji[0])
+    assert b"".join(tok.token_bytes(i) for i in emoji) == "🙂".encode()
+    assert tok.token_text(tok.bos_token_id) == "<|bos|>"
+    assert tok.token_bytes(tok.bos_token_id) == b"<|bos|>"  # special: its text
+
+
+def test_token_bytes_not_byte_level():
+    import tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "Ġworld": 2, "é": 3}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    t = Tokenizer(backend)
+    # "Ġ" is a letter of this vocabulary, not byte-level BPE's spelling of a space.
+    assert t.token_text(2) == "Ġworld" and t.token_bytes(2) == "Ġworld".encode()
+    assert t.token_bytes(3) == "é".encode() and t.token_bytes(1) == b"hello"
+
+
 @pytest.mark.parametrize("vocab_size", [263, 300, 1000, 3000])
 def test_exact_vocab_size(tmp_path, vocab_size):
     t = Tokenizer.from_dir(write_test_tokenizer(tmp_path, vocab_size=vocab_size))

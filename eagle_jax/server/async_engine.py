@@ -10,19 +10,26 @@ engine thread sleeps on a condition variable (no busy loop).
 An exception inside ``engine.step()`` is logged with its traceback; every in-flight
 request fails with ``RequestFailedError`` (the server answers 500) and is aborted in
 the engine; the loop keeps serving new requests.
+
+An HTTP request becomes several engine requests, its ``Choice``s: ``n`` samples of each
+prompt, indexed prompt-major (prompt ``p``, sample ``i`` -> ``p * n + i``) as vLLM does.
+They start together (``AsyncEngine.start_choices``: all or none), their outputs arrive
+through one fan-in (``merge``) or run to completion (``collect``), and when the client
+disconnects or anything fails they are aborted together (``abort_all``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
-from ..engine.types import RequestOutput
+from ..engine.types import RequestOutput, TokenLogprob
 from ..sampling import SamplingParams
 from .metrics import ServerMetrics
 
@@ -187,8 +194,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Adds a request; returns once the engine accepted it.
 
-        Raises ValueError (the engine's validation message), QueueFullError or
-        EngineStoppedError.
+        Raises ValueError (the engine's validation message) or EngineStoppedError.
         """
         loop = asyncio.get_running_loop()
         tracker = _Tracker(
@@ -231,6 +237,23 @@ class AsyncEngine:
             self.abort(request_id)
             raise
         return RequestStream(self, tracker)
+
+    async def start_choices(self, request_id: str, choices: list[Choice]) -> None:
+        """Adds every choice as request ``{request_id}-{index}``, all or none.
+
+        Raises QueueFullError when they do not fit, and what ``add_request`` raises
+        (ValueError, EngineStoppedError) after aborting the choices already added.
+        """
+        if self.queue_is_full(len(choices)):
+            raise QueueFullError("the server is overloaded: all slots are busy and the "
+                                 "waiting queue is full; retry later")
+        try:
+            for c in choices:
+                c.stream = await self.add_request(f"{request_id}-{c.index}", c.prompt_ids,
+                                                  c.params)
+        except BaseException:
+            abort_all(choices)
+            raise
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (non-blocking; unknown or finished ids are ignored)."""
@@ -399,3 +422,118 @@ class AsyncEngine:
         )
         self._log_t0 = now
         self._log_tokens = 0
+
+
+# ------------------------------------------------------------------- choices
+class Choice:
+    """One engine request of an HTTP request: a sample of prompt ``prompt_index``, choice
+    ``index`` of the response. Accumulates its outputs as they arrive."""
+
+    def __init__(self, index: int, prompt_index: int, prompt_ids: list[int],
+                 params: SamplingParams | None):
+        self.index = index
+        self.prompt_index = prompt_index
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stream: RequestStream | None = None  # set once the engine took it
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+
+    def absorb(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.text += out.new_text
+        if out.new_logprobs:
+            self.logprobs.extend(out.new_logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+
+
+def fan_out(prompts: Sequence[list[int]], n: int,
+            params: Callable[[int, int], SamplingParams | None]) -> list[Choice]:
+    """``n`` choices per prompt in prompt-major order; ``params(prompt_index,
+    sample_index)`` gives each its sampling parameters."""
+    return [Choice(p * n + i, p, ids, params(p, i))
+            for p, ids in enumerate(prompts) for i in range(n)]
+
+
+def abort_all(choices: Sequence[Choice]) -> None:
+    """Aborts every started choice (finished ones are left alone)."""
+    for c in choices:
+        if c.stream is not None:
+            c.stream.abort()
+
+
+async def merge(choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Yields ``(choice, output)`` from every started choice as outputs arrive: each output
+    is absorbed into its choice, and yielded when it carries a token, text or the finish.
+    An engine failure is raised here."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice):
+        try:
+            async for out in c.stream:
+                await queue.put((c, out))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((c, e))
+            return
+        await queue.put((c, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices if c.stream is not None]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            c, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            c.absorb(item)
+            if item.new_token_ids or item.new_text or item.finished:
+                yield c, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def collect(choices: Sequence[Choice],
+                  is_disconnected: Callable[[], Awaitable[bool]]) -> bool:
+    """Runs every started choice to completion. Polls ``is_disconnected`` meanwhile: if the
+    client went away, aborts them all and returns False. On an engine failure aborts them
+    all and raises it."""
+
+    async def consume(c: Choice):
+        async for out in c.stream:
+            c.absorb(out)
+
+    tasks = [asyncio.ensure_future(consume(c)) for c in choices if c.stream is not None]
+
+    async def watch():
+        while True:
+            await asyncio.sleep(0.1)
+            if await is_disconnected():
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        gathered = asyncio.gather(*tasks)
+        done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if gathered not in done:  # the client went away
+            abort_all(choices)
+            gathered.cancel()
+            with contextlib.suppress(BaseException):
+                await gathered
+            return False
+        gathered.result()
+        return True
+    except BaseException:
+        abort_all(choices)
+        for t in tasks:
+            t.cancel()
+        raise
+    finally:
+        watcher.cancel()
