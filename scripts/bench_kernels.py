@@ -27,10 +27,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from eagle_jax.kernels import (  # noqa: E402
-    gathered_lm_head, gathered_lm_head_reference, propose_draft_tokens,
-    propose_draft_tokens_reference, rmsnorm_concat, rmsnorm_concat_reference,
-    sampling_probs, speculative_sample, speculative_sample_reference)
+from eagle_jax.kernels.draft_proposal import (  # noqa: E402
+    propose_draft_tokens, propose_draft_tokens_reference)
+from eagle_jax.kernels.filters import sampling_probs  # noqa: E402
+from eagle_jax.kernels.gathered_lm_head import (  # noqa: E402
+    gathered_lm_head, gathered_lm_head_reference)
+from eagle_jax.kernels.norm_concat import rmsnorm_concat, rmsnorm_concat_reference  # noqa: E402
+from eagle_jax.kernels.spec_sampler import (  # noqa: E402
+    speculative_sample, speculative_sample_reference)
 
 TOP_K_ALL = 1 << 30
 

@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from eagle_jax.kernels import propose_draft_tokens, propose_draft_tokens_reference, sampling_probs
+from eagle_jax.kernels.draft_proposal import propose_draft_tokens, propose_draft_tokens_reference
+from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.sampling import TOP_K_ALL
 
 ALPHA = 1e-3  # false-alarm rate per chi-square statistic

@@ -37,13 +37,14 @@ length, so their KV writes are dropped (see ``layers.py``).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from eagle_jax.kernels.gathered_lm_head import gathered_lm_head
+from eagle_jax.kernels.norm_concat import rmsnorm_concat
 from eagle_jax.models.draft_config import EAGLE, EAGLE3, DraftConfig
 from eagle_jax.models.layers import (
     MLP,
@@ -80,11 +81,9 @@ def _rmsnorm_concat(embeds: Array, hidden: Array, w_e: Array, w_h: Array, eps_e:
     """
     if not use_kernels:
         return jnp.concatenate([rms_norm(embeds, w_e, eps_e), rms_norm(hidden, w_h, eps_h)], -1)
-    norm_concat = importlib.import_module("eagle_jax.kernels.norm_concat")
     lead = embeds.shape[:-1]
-    out = norm_concat.rmsnorm_concat(embeds.reshape(-1, embeds.shape[-1]),
-                                     hidden.reshape(-1, hidden.shape[-1]), w_e, w_h, eps_e,
-                                     eps_h)
+    out = rmsnorm_concat(embeds.reshape(-1, embeds.shape[-1]),
+                         hidden.reshape(-1, hidden.shape[-1]), w_e, w_h, eps_e, eps_h)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -94,10 +93,7 @@ def _gathered_lm_head(hidden: Array, rows: Array, weight: Array, use_kernels: bo
         picked = jnp.take(hidden, jnp.clip(rows, 0, hidden.shape[0] - 1), axis=0)
         return jnp.einsum("bh,vh->bv", picked.astype(weight.dtype), weight,
                           preferred_element_type=jnp.float32)
-    # The module, not the package attribute of the same name (the function).
-    kernel = importlib.import_module("eagle_jax.kernels.gathered_lm_head")
-    return kernel.gathered_lm_head(hidden.astype(weight.dtype), rows.astype(jnp.int32),
-                                             weight)
+    return gathered_lm_head(hidden.astype(weight.dtype), rows.astype(jnp.int32), weight)
 
 
 def _flat_rows(hidden_out: Array, rows: Array) -> tuple[Array, Array]:
