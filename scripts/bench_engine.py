@@ -32,7 +32,8 @@ from eagle_jax import SamplingParams  # noqa: E402
 from eagle_jax.config import ModelConfig, RopeScaling  # noqa: E402
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
 from eagle_jax.models.decoder import Decoder  # noqa: E402
-from eagle_jax.models.draft import EAGLE3, DraftConfig, new_draft  # noqa: E402
+from eagle_jax.models.draft import new_draft  # noqa: E402
+from eagle_jax.models.draft_config import EAGLE3, DraftConfig  # noqa: E402
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                 num_heads=32, num_kv_heads=8, head_dim=128)

@@ -27,12 +27,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from eagle_jax.kernels import (  # noqa: E402
-    gathered_lm_head, gathered_lm_head_reference, propose_draft_tokens,
-    propose_draft_tokens_reference, rmsnorm_concat, rmsnorm_concat_reference,
-    sampling_probs, speculative_sample, speculative_sample_reference)
-
-TOP_K_ALL = 1 << 30
+from eagle_jax.kernels.draft_proposal import (  # noqa: E402
+    propose_draft_tokens, propose_draft_tokens_reference)
+from eagle_jax.kernels.filters import sampling_probs  # noqa: E402
+from eagle_jax.kernels.gathered_lm_head import (  # noqa: E402
+    gathered_lm_head, gathered_lm_head_reference)
+from eagle_jax.kernels.norm_concat import rmsnorm_concat, rmsnorm_concat_reference  # noqa: E402
+from eagle_jax.kernels.spec_sampler import (  # noqa: E402
+    speculative_sample, speculative_sample_reference)
+from eagle_jax.sampling import TOP_K_ALL, SamplingRows  # noqa: E402
 
 
 def bench(fn, *args, calls=10, repeats=15, warmup=3):
@@ -88,8 +91,8 @@ def main():
     logits = jnp.asarray(rng.standard_normal((B, S + 1, V), dtype=np.float32) * 3)
     ones = jnp.ones((B,), jnp.float32)
     k_all = jnp.full((B,), TOP_K_ALL, jnp.int32)
-    p = jax.jit(lambda l: sampling_probs(l, ones[:, None], k_all[:, None], ones[:, None],
-                                         0 * ones[:, None], vocab))(logits)
+    p = jax.jit(lambda l: sampling_probs(l, SamplingRows(ones, k_all, ones, 0 * ones),
+                                         vocab))(logits)
     q = jax.nn.softmax(jnp.asarray(rng.standard_normal((B, S, V), dtype=np.float32) * 3), -1)
     # Draft tokens drawn from a mix so that rows reject at every position.
     d = jnp.asarray(np.argmax(np.asarray(q) + rng.gumbel(size=(B, S)).astype(np.float32)[..., None] * 0, -1).astype(np.int32))
@@ -97,9 +100,9 @@ def main():
     u = jnp.asarray(rng.uniform(size=(B, S + 1)).astype(np.float32))
     for label, top_k in (("sampling rows", k_all), ("greedy rows", jnp.ones((B,), jnp.int32))):
       kern = jax.jit(lambda d, q, p, u, k: speculative_sample(
-          d, q, p, ones, k, ones, 0 * ones, u, vocab, target_is_probs=True))
+          d, q, p, SamplingRows(ones, k, ones, 0 * ones), u, vocab, target_is_probs=True))
       ref = jax.jit(lambda d, q, p, u, k: speculative_sample_reference(
-          d, q, p, ones, k, ones, 0 * ones, u, vocab, target_is_probs=True))
+          d, q, p, SamplingRows(ones, k, ones, 0 * ones), u, vocab, target_is_probs=True))
       out_k, out_r = kern(d, q, p, u, top_k), ref(d, q, p, u, top_k)
       same_len = bool(jnp.all(out_k.accept_len == out_r.accept_len))
       same_tok = float(jnp.mean(out_k.tokens == out_r.tokens))
@@ -118,7 +121,8 @@ def main():
       best = None
       for cfg in sweep:
         f = jax.jit(lambda d, q, p, u, k, cfg=cfg: speculative_sample(
-            d, q, p, ones, k, ones, 0 * ones, u, vocab, target_is_probs=True, **cfg))
+            d, q, p, SamplingRows(ones, k, ones, 0 * ones), u, vocab, target_is_probs=True,
+            **cfg))
         ms = tb(f, d, q, p, u, top_k)
         agree = bool(jnp.all(f(d, q, p, u, top_k).accept_len == out_r.accept_len))
         checks.append(f"sampler ({label}) {cfg or 'default (block 2048, chunk 16384, stages 2)'}: "
@@ -134,7 +138,8 @@ def main():
     bad_p = p.at[:, :, ::5].set(jnp.inf).at[1::2, :, :].set(-1.0)
     bad_d = d.at[:, 2].set(vocab + 3).at[::3, 0].set(-5)
     out = jax.jit(lambda d, q, p, u: speculative_sample(
-        d, q, p, ones, k_all, ones, 0 * ones, u, vocab, target_is_probs=True))(bad_d, bad_q, bad_p, u)
+        d, q, p, SamplingRows(ones, k_all, ones, 0 * ones), u, vocab,
+        target_is_probs=True))(bad_d, bad_q, bad_p, u)
     ok = bool(jnp.all(((out.tokens >= 0) & (out.tokens < vocab)) | (out.tokens == -1)))
     ok &= bool(jnp.all(out.num_tokens >= 1))
     checks.append(f"sampler fault injection: ids valid={ok}, malformed counted={int(out.num_malformed_q.sum())}, "
@@ -147,9 +152,9 @@ def main():
       for label, tk, tp in (("top_k=50 top_p=0.9", 50, 0.9), ("no filter", TOP_K_ALL, 1.0)):
         if label == "no filter" and not minor:
           continue
-        f = jax.jit(lambda l, tk=tk, tp=tp: sampling_probs(
-            l, 0.7 * ones[:, None], jnp.full((B, 1), tk, jnp.int32),
-            jnp.full((B, 1), tp, jnp.float32), 0 * ones[:, None], vocab))
+        f = jax.jit(lambda l, tk=tk, tp=tp: sampling_probs(l, SamplingRows(
+            0.7 * ones, jnp.full((B,), tk, jnp.int32), jnp.full((B,), tp, jnp.float32),
+            0 * ones), vocab))
         sort_ref = None
         row(f"sampling_probs XLA ({label}; candidates {'minor' if minor else 'major'})",
             f"[{B}x{S + 1}, {V}] f32", tb(f, logits), float("nan"), logits.nbytes * 2,
@@ -165,11 +170,11 @@ def main():
     tk = jnp.asarray(np.where(np.arange(Bp) % 4 == 0, 1, TOP_K_ALL), jnp.int32)
     up = jnp.asarray(rng.uniform(size=Bp).astype(np.float32))
     onesp = jnp.ones((Bp,), jnp.float32)
-    kern = jax.jit(lambda l, u: propose_draft_tokens(l, onesp, tk, onesp, 0 * onesp, u, d2t=d2t,
-                                                     target_vocab_size=Vt))
-    ref = jax.jit(lambda l, u: propose_draft_tokens_reference(l, onesp, tk, onesp, 0 * onesp, u,
-                                                              d2t=d2t, target_vocab_size=Vt))
-    (tk_k, q_k), (tk_r, q_r) = kern(dl, up), ref(dl, up)
+    rows = SamplingRows(onesp, tk, onesp, 0 * onesp)
+    kern = jax.jit(lambda l, u: propose_draft_tokens(l, rows, u, d2t=d2t, target_vocab_size=Vt))
+    ref = jax.jit(lambda l, u: propose_draft_tokens_reference(l, rows, u, d2t=d2t,
+                                                              target_vocab_size=Vt))
+    (tk_k, q_k, _), (tk_r, q_r, _) = kern(dl, up), ref(dl, up)
     checks.append(f"proposal: token agreement={float(jnp.mean(tk_k == tk_r)):.4f}, "
                   f"q max abs diff={float(jnp.max(jnp.abs(q_k - q_r))):.2e}")
     print(checks[-1], flush=True)

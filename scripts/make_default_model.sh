@@ -175,7 +175,7 @@ P1=$(now)
 P2=$(now)
 PLAN=$("$PY" -c "
 import json, sys
-from eagle_jax.train.target import plan_draft_steps
+from eagle_jax.train.pipeline import plan_draft_steps
 a = sys.argv[1:]
 plan = plan_draft_steps(a[0], a[1], float(a[2]), float(a[3]),
                         float(a[5]) - (float(a[3]) - float(a[4])), max_steps=int(a[6]))
@@ -203,7 +203,7 @@ record draft "$S" "{\"steps\": $D_STEPS}"
 S=$(now)
 "$PY" - "$OUT_DIR" "$DRAFT_RUN/draft" "$MAX_TOTAL_MB" "$D_LM_HEAD" <<'EOF'
 import json, sys
-from eagle_jax.train.target import cast_checkpoint, checkpoint_size_report
+from eagle_jax.train.pipeline import cast_checkpoint, checkpoint_size_report
 out, draft_src, max_mb, lm_head = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 cast_checkpoint(draft_src, f"{out}/draft", "bfloat16", max_shard_bytes=15 * 10**6)
 rep = checkpoint_size_report({"target": f"{out}/target", "draft": f"{out}/draft"})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.train.corpus import EOS_TOKEN, is_heldout, write_ids_jsonl
-from eagle_jax.train.target import (
+from eagle_jax.train.pipeline import (
     cast_checkpoint,
     checkpoint_size_report,
     plan_draft_steps,

@@ -4,7 +4,6 @@ head of draft extend (seed 000), and the draft never running target code (seed 0
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 
 import jax
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.checkpoint import CheckpointReader
+from eagle_jax.models import draft as draft_mod
 from eagle_jax.models import draft_ops
 from eagle_jax.models.decoder import Decoder, DecoderLayer, load_decoder
 from eagle_jax.models.draft import Eagle1Draft, Eagle3Draft
@@ -191,16 +191,15 @@ def test_select_logits_one_row_per_request(dirs, target, which, monkeypatch):
     tokens, pos = _inputs(1)
     feats = _features(target, draft, tokens, pos)
     rows = jnp.asarray([5, 2], jnp.int32)
-    kernel = importlib.import_module("eagle_jax.kernels.gathered_lm_head")
     calls = []
-    real = kernel.gathered_lm_head
+    real = draft_mod.gathered_lm_head
 
     def spy(hidden, row_indices, weight, **kw):
         out = real(hidden, row_indices, weight, **kw)
         calls.append((hidden.shape, row_indices.shape, out.shape))
         return out
 
-    monkeypatch.setattr(kernel, "gathered_lm_head", spy)
+    monkeypatch.setattr(draft_mod, "gathered_lm_head", spy)
     res = draft_ops.draft_extend(draft, tokens, tokens[:, -1], rows + 1, feats, pos,
                                  draft.init_cache(B, MAX_LEN))
     vd = draft.draft_vocab_size
@@ -310,8 +309,6 @@ def test_draft_never_runs_target_code(dirs, target, which, monkeypatch):
 
 
 def test_draft_modules_do_not_import_target_code():
-    from eagle_jax.models import draft as draft_mod
-
     for mod in (draft_mod, draft_ops):
         tree = ast.parse(inspect.getsource(mod))
         imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

@@ -8,32 +8,37 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from eagle_jax import kernels as K
 from eagle_jax.kernels._common import TRITON_CUSTOM_CALL
+from eagle_jax.kernels.draft_proposal import propose_draft_tokens
+from eagle_jax.kernels.gathered_lm_head import gathered_lm_head
+from eagle_jax.kernels.norm_concat import rmsnorm_concat
+from eagle_jax.kernels.spec_sampler import speculative_sample
+from eagle_jax.sampling import SamplingRows
 
 S = jax.ShapeDtypeStruct
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 
 CASES = {
     "speculative_sample": (
-        lambda d, q, l, t, k, tp, mp, u: K.speculative_sample(d, q, l, t, k, tp, mp, u, 1000, interpret=False),
+        lambda d, q, l, t, k, tp, mp, u: speculative_sample(d, q, l, SamplingRows(t, k, tp, mp), u, 1000,
+                                                            interpret=False),
         [S((4, 3), i32), S((4, 3, 1024), f32), S((4, 4, 1024), f32), S((4,), f32), S((4,), i32),
          S((4,), f32), S((4,), f32), S((4, 4), f32)], 2),
     "speculative_sample_onehot_q": (
-        lambda d, l, t, k, tp, mp, u: K.speculative_sample(d, None, l, t, k, tp, mp, u, 1000, interpret=False,
-                                                           target_is_probs=True),
+        lambda d, l, t, k, tp, mp, u: speculative_sample(d, None, l, SamplingRows(t, k, tp, mp), u, 1000,
+                                                         interpret=False, target_is_probs=True),
         [S((4, 3), i32), S((4, 4, 1024), f32), S((4,), f32), S((4,), i32), S((4,), f32), S((4,), f32),
          S((4, 4), f32)], 2),
     "propose_draft_tokens": (
-        lambda l, t, k, tp, mp, u, d2t: K.propose_draft_tokens(l, t, k, tp, mp, u, d2t=d2t, target_vocab_size=2000,
-                                                               interpret=False),
+        lambda l, t, k, tp, mp, u, d2t: propose_draft_tokens(l, SamplingRows(t, k, tp, mp), u, d2t=d2t,
+                                                             target_vocab_size=2000, interpret=False),
         [S((4, 1000), f32), S((4,), f32), S((4,), i32), S((4,), f32), S((4,), f32), S((4,), f32),
          S((1000,), i32)], 1),
     "rmsnorm_concat": (
-        lambda a, b, c, d: K.rmsnorm_concat(a, b, c, d, 1e-6, 1e-6, interpret=False),
+        lambda a, b, c, d: rmsnorm_concat(a, b, c, d, 1e-6, 1e-6, interpret=False),
         [S((8, 96), bf16), S((8, 96), bf16), S((96,), f32), S((96,), f32)], 1),
     "gathered_lm_head": (
-        lambda h, r, w: K.gathered_lm_head(h, r, w, interpret=False),
+        lambda h, r, w: gathered_lm_head(h, r, w, interpret=False),
         [S((16, 64), bf16), S((4,), i32), S((1000, 64), bf16)], 1),
 }
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.kernels import sample_from_probs, sampling_probs
+from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
 
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.kernels import gathered_lm_head, gathered_lm_head_reference
+from eagle_jax.kernels.gathered_lm_head import gathered_lm_head, gathered_lm_head_reference
 
 
 @pytest.mark.parametrize("num_rows,batch,hidden,vocab,dtype", [

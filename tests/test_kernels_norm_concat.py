@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.kernels import rmsnorm_concat, rmsnorm_concat_reference, rmsnorm_reference
+from eagle_jax.kernels.norm_concat import rmsnorm_concat, rmsnorm_concat_reference, rmsnorm_reference
 
 
 @pytest.mark.parametrize("num_rows,hidden,dtype", [

@@ -2,9 +2,10 @@
 
 import numpy as np
 
-from eagle_jax.kernels import propose_draft_tokens, propose_draft_tokens_reference, sampling_probs
 from eagle_jax.kernels.draft_proposal import (
-    probs_row_ok, propose_from_probs, propose_from_probs_reference)
+    probs_row_ok, propose_draft_tokens, propose_draft_tokens_reference, propose_from_probs,
+    propose_from_probs_reference)
+from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
 
 ALPHA = 1e-3  # false-alarm rate per chi-square statistic

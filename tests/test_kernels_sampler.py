@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.kernels import PAD_TOKEN, sampling_probs, speculative_sample, speculative_sample_reference
 from eagle_jax.kernels.draft_proposal import propose_from_probs
+from eagle_jax.kernels.filters import sampling_probs
+from eagle_jax.kernels.spec_sampler import PAD_TOKEN, speculative_sample, speculative_sample_reference
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
 
 # Chi-square test: false-alarm rate alpha = 1e-3 per statistic (p-value from the

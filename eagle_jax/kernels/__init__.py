@@ -1,16 +1,15 @@
-"""Pallas (Triton path) kernels of EAGLE speculative decoding, each with its reference."""
+"""Pallas (Triton path) kernels of EAGLE speculative decoding, each with its reference.
 
-from eagle_jax.kernels.draft_proposal import propose_draft_tokens, propose_draft_tokens_reference
-from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
-from eagle_jax.kernels.gathered_lm_head import gathered_lm_head, gathered_lm_head_reference
-from eagle_jax.kernels.norm_concat import (
-    rmsnorm_concat, rmsnorm_concat_reference, rmsnorm_reference)
-from eagle_jax.kernels.spec_sampler import (
-    PAD_TOKEN, SamplerOutput, speculative_sample, speculative_sample_reference)
+One module per kernel, imported from that module (``from eagle_jax.kernels.norm_concat
+import rmsnorm_concat``):
 
-__all__ = [
-    "PAD_TOKEN", "SamplerOutput", "gathered_lm_head", "gathered_lm_head_reference",
-    "propose_draft_tokens", "propose_draft_tokens_reference", "rmsnorm_concat",
-    "rmsnorm_concat_reference", "rmsnorm_reference", "sample_from_probs",
-    "sampling_probs", "speculative_sample", "speculative_sample_reference",
-]
+* ``filters``: logits -> sampling probabilities (temperature, top-k, top-p, min-p), draws;
+* ``draft_proposal``: one draft token per row and the q it was drawn from;
+* ``spec_sampler``: the verify sampler (rejection sampling);
+* ``gathered_lm_head``: the LM head over selected rows only;
+* ``norm_concat``: EAGLE-3's fused dual RMSNorm + concat.
+
+The package re-exports nothing: a function named like its module (``gathered_lm_head``)
+would hide the module, and the comparison tool finds each kernel's ``_*_pallas`` entry
+point on its module.
+"""

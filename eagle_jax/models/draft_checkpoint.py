@@ -48,14 +48,13 @@ from eagle_jax.checkpoint import (
     save_sharded,
 )
 from eagle_jax.config import read_json, resolve_dtype
-from eagle_jax.models.draft import (
+from eagle_jax.models.draft import Eagle1Draft, Eagle3Draft
+from eagle_jax.models.draft_config import (
     EAGLE,
     EAGLE1_ARCHITECTURES,
     EAGLE3,
     EAGLE3_ARCHITECTURES,
     DraftConfig,
-    Eagle1Draft,
-    Eagle3Draft,
 )
 
 if TYPE_CHECKING:  # only for annotations: loading reads the target's arrays, never runs it

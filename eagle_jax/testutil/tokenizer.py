@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from eagle_jax.bpe import save_hf_tokenizer, train_byte_level_bpe
+
 SPECIAL_TOKENS = (
     "<|pad|>",
     "<|bos|>",
@@ -115,8 +117,6 @@ def write_test_tokenizer(
     ``vocab_size`` must be at least 256 + len(SPECIAL_TOKENS) (the byte alphabet and the
     special tokens).
     """
-    from eagle_jax.train.corpus import save_hf_tokenizer, train_byte_level_bpe
-
     out_dir = os.fspath(out_dir)
     tok = train_byte_level_bpe([CORPUS], vocab_size, SPECIAL_TOKENS, min_frequency=1)
     config = {

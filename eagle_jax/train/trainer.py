@@ -50,7 +50,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from eagle_jax.config import resolve_dtype
-from eagle_jax.models.draft import EAGLE, EAGLE3, DraftConfig, new_draft
+from eagle_jax.models.draft import new_draft
+from eagle_jax.models.draft_config import EAGLE, EAGLE3, DraftConfig
 from eagle_jax.models.draft_checkpoint import save_draft
 from eagle_jax.train import common
 from eagle_jax.train import data as data_lib

@@ -1,0 +1,103 @@
+"""The import layering of eagle_jax, read from the source with ``ast`` (nothing is imported).
+
+One test per rule. Every import counts, including those inside functions and under
+``TYPE_CHECKING``: a lazy import is still a dependency. The layers, lowest first:
+
+    config, checkpoint, tokenizer, bpe, sampling; kernels; models   (the model side)
+    testutil                                                        (test helpers)
+    train, engine, server, eval, compare                            (the higher layers)
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from typing import NamedTuple
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "eagle_jax"
+HIGHER_LAYERS = tuple(f"eagle_jax.{p}" for p in ("train", "engine", "server", "eval", "compare"))
+
+
+class Import(NamedTuple):
+    path: str  # relative to the repository root
+    line: int
+    name: str  # the imported module, or module.name for ``from module import name``
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _trees(package: str = "eagle_jax"):
+    """(path, module name, ast) of every module of ``package``."""
+    root = PACKAGE.parent.joinpath(*package.split("."))
+    for path in sorted(root.rglob("*.py")):
+        yield path, _module_name(path), ast.parse(path.read_text(), str(path))
+
+
+def _imports(package: str) -> list[Import]:
+    out = []
+    for path, module, tree in _trees(package):
+        rel = str(path.relative_to(PACKAGE.parent))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                out += [Import(rel, node.lineno, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolved against this module's package
+                    pkg = module.split(".")
+                    pkg = pkg[:len(pkg) - node.level + (path.name == "__init__.py")]
+                    base = ".".join(pkg + ([base] if base else []))
+                out += [Import(rel, node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{i.path}:{i.line} imports {i.name}" for i in _imports(package)
+            if _within(i.name, forbidden)]
+
+
+def test_testutil_depends_on_nothing_above_models():
+    assert _violations("eagle_jax.testutil", HIGHER_LAYERS) == []
+
+
+def test_models_and_kernels_depend_on_nothing_above_them():
+    for package in ("eagle_jax.models", "eagle_jax.kernels"):
+        assert _violations(package, HIGHER_LAYERS) == []
+
+
+def test_kernels_are_imported_plainly():
+    """No ``importlib.import_module("eagle_jax.kernels...")``: a kernel function is imported
+    from its module. (The comparison tool's walk over every kernel module names none.)"""
+    found = []
+    for path, _, tree in _trees():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)
+                    and node.args[0].value.startswith("eagle_jax.kernels")
+                    and (getattr(node.func, "attr", None) == "import_module"
+                         or getattr(node.func, "id", None) == "import_module")):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert found == []
+
+
+def test_kernels_package_hides_no_submodule():
+    """``eagle_jax/kernels/__init__.py`` binds no name of a kernel module (a function
+    ``gathered_lm_head`` would hide the module ``gathered_lm_head``)."""
+    init = PACKAGE / "kernels" / "__init__.py"
+    submodules = {p.stem for p in init.parent.glob("*.py")} - {"__init__"}
+    bound = set()
+    for node in ast.walk(ast.parse(init.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+    assert bound & submodules == set()
