@@ -6,6 +6,8 @@ One test per rule. Every import counts, including those inside functions and und
     config, checkpoint, tokenizer, bpe, sampling; kernels; models   (the model side)
     testutil                                                        (test helpers)
     train, engine, server, eval, compare                            (the higher layers)
+
+and the engine's private names stay inside ``eagle_jax/engine``.
 """
 
 from __future__ import annotations
@@ -101,3 +103,44 @@ def test_kernels_package_hides_no_submodule():
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             bound.add(node.id)
     assert bound & submodules == set()
+
+
+def _engine_private_names() -> set[str]:
+    """Single-underscore names the engine package defines: functions, classes, methods,
+    module globals and ``self._x`` attributes."""
+    names = set()
+    for _, _, tree in _trees("eagle_jax.engine"):
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_nothing_outside_the_engine_reaches_a_private_engine_name():
+    """Tools watch or swap parts of the engine through its public seams (``compile_fn``,
+    ``add_step_listener``, ``step_function``), never through its private names: no
+    import of one, no attribute access to one on another object, no override of one."""
+    private = _engine_private_names()
+    found = []
+    for path, module, tree in _trees():
+        if _within(module, ("eagle_jax.engine",)):
+            continue
+        rel = path.relative_to(PACKAGE.parent)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "eagle_jax.engine")):
+                found += [f"{rel}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name in private]
+            elif (isinstance(node, ast.Attribute) and node.attr in private
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{rel}:{node.lineno} reads .{node.attr}")
+            elif isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "id", getattr(b, "attr", "")).endswith("Engine")
+                    for b in node.bases):
+                found += [f"{rel}:{f.lineno} overrides {f.name}" for f in node.body
+                          if isinstance(f, ast.FunctionDef) and f.name in private]
+    assert found == []
