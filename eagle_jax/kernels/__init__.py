@@ -3,6 +3,7 @@
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens, propose_draft_tokens_reference
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
 from eagle_jax.kernels.gathered_lm_head import gathered_lm_head, gathered_lm_head_reference
+from eagle_jax.kernels.paged_attention import paged_attention, paged_attention_reference
 from eagle_jax.kernels.norm_concat import (
     rmsnorm_concat, rmsnorm_concat_reference, rmsnorm_reference)
 from eagle_jax.kernels.spec_sampler import (
@@ -10,7 +11,8 @@ from eagle_jax.kernels.spec_sampler import (
 
 __all__ = [
     "PAD_TOKEN", "SamplerOutput", "gathered_lm_head", "gathered_lm_head_reference",
-    "propose_draft_tokens", "propose_draft_tokens_reference", "rmsnorm_concat",
+    "paged_attention", "paged_attention_reference", "propose_draft_tokens",
+    "propose_draft_tokens_reference", "rmsnorm_concat",
     "rmsnorm_concat_reference", "rmsnorm_reference", "sample_from_probs",
     "sampling_probs", "speculative_sample", "speculative_sample_reference",
 ]
