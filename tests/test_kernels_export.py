@@ -35,6 +35,18 @@ CASES = {
     "gathered_lm_head": (
         lambda h, r, w: K.gathered_lm_head(h, r, w, interpret=False),
         [S((16, 64), bf16), S((4,), i32), S((1000, 64), bf16)], 1),
+    # Decode at B=1 over a 4096-token page table: split-K, so the attention kernel and
+    # the combine; a tree-masked verify block over a 128-token table: one kernel (too short
+    # to split).
+    "paged_attention_split": (
+        lambda q, k, v, pt, kl, ql: K.paged_attention(q, k, v, pt, kl, ql, interpret=False),
+        [S((1, 1, 32, 128), bf16), S((300, 16, 8, 128), bf16), S((300, 16, 8, 128), bf16),
+         S((1, 256), i32), S((1,), i32), S((1,), i32)], 2),
+    "paged_attention_tree": (
+        lambda q, k, v, pt, kl, ql, m: K.paged_attention(q, k, v, pt, kl, ql, block_mask=m,
+                                                         interpret=False),
+        [S((256, 6, 8, 64), f32), S((300, 16, 2, 64), f32), S((300, 16, 2, 64), f32),
+         S((256, 8), i32), S((256,), i32), S((256,), i32), S((256, 6, 6), jnp.bool_)], 1),
 }
 
 
