@@ -74,7 +74,7 @@ def _tree_mask(rng, ql, t):
 
 def _check(out, ref, ql, dtype):
   out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  assert np.all(np.isfinite(out)), "non-finite output (a poisoned row was read or a row not written)"
+  assert np.all(np.isfinite(out)), "non-finite output: a poisoned row was read or a row not written"
   for i, n in enumerate(np.asarray(ql)):
     assert np.all(out[i, max(n, 0):] == 0.0), f"padding rows of sequence {i} are not exactly 0"
   tol = dict(rtol=2e-5, atol=2e-5) if dtype == f32 else dict(rtol=2e-2, atol=2e-2)

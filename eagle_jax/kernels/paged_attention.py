@@ -187,7 +187,9 @@ def paged_attention_reference(
 # --------------------------------------------------------------------------------------
 
 
-class _Config(NamedTuple):
+class PagedAttentionConfig(NamedTuple):
+  """The tiling, splits and launch parameters of one call (see ``_block_sizes``)."""
+
   block_q: int      # query rows (token, group head) per program
   block_n: int      # keys per loop step
   block_d: int      # head_dim padded to a power of two
@@ -199,7 +201,7 @@ class _Config(NamedTuple):
 
 def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_q=None,
                  block_n=None, num_splits=None, min_split=None, num_warps=None,
-                 num_stages=None) -> _Config:
+                 num_stages=None) -> PagedAttentionConfig:
   """Tile sizes, splits and launch parameters; every argument left None is heuristic.
 
   BLOCK_Q = T * G rounded up to a power of two, at least 16 (the smallest tensor-core
@@ -240,7 +242,15 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_
       raise ValueError(f"{name}={v} must be a power of two >= 16")
   if num_splits < 1:
     raise ValueError(f"num_splits={num_splits} must be >= 1")
-  return _Config(bq, bn, block_d, int(num_splits), int(ms), warps, stages)
+  return PagedAttentionConfig(bq, bn, block_d, int(num_splits), int(ms), warps, stages)
+
+
+def paged_attention_config(q, k_pages, page_table, **tuning) -> PagedAttentionConfig:
+  """The configuration ``paged_attention`` picks for these shapes (arrays or
+  ShapeDtypeStructs) and tuning overrides; for benchmarks and logs."""
+  b, t, n, d = q.shape
+  _, page_size, k, _ = k_pages.shape
+  return _block_sizes(b, t, n // k, d, k, page_table.shape[1] * page_size, **tuning)
 
 
 # --------------------------------------------------------------------------------------
@@ -282,7 +292,7 @@ def _attention_kernel(
     v_ref,       # [P * page_size * K, D]
     *refs,       # block mask [B * T, T] int8 if given; out [B * T * N, D]; partials
     causal: bool, t_len: int, num_heads: int, kv_heads: int, head_dim: int,
-    page_size: int, max_pages: int, num_pages: int, scale_log2: float, cfg: _Config,
+    page_size: int, max_pages: int, num_pages: int, scale_log2: float, cfg: PagedAttentionConfig,
 ):
   if causal:
     mask_ref, (o_ref, *part_refs) = None, refs
@@ -385,7 +395,7 @@ def _combine_kernel(
     o_in_ref,    # [B * T * N, D] kernel 1's output, aliased to o_ref
     o_ref,       # [B * T * N, D]
     *, causal: bool, t_len: int, num_heads: int, head_dim: int, page_size: int,
-    max_pages: int, cfg: _Config,
+    max_pages: int, cfg: PagedAttentionConfig,
 ):
   del o_in_ref  # rows finished by kernel 1 stay as they are
   n, t, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -419,7 +429,7 @@ def _combine_kernel(
 
 
 def _paged_attention_pallas(q, k_pages, v_pages, page_table, kv_len, q_len, block_mask, *,
-                            scale, interpret, cfg: _Config):
+                            scale, interpret, cfg: PagedAttentionConfig):
   b, t, n, d = q.shape
   num_pages, page_size, kv_heads, _ = k_pages.shape
   max_pages = page_table.shape[1]
