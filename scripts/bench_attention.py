@@ -247,8 +247,8 @@ def main():
     configs = [{}]
     if args.sweep and name not in ("tree", "prefill"):  # tree verify: as verify
       s = default.num_splits
-      configs += [dict(block_n=32), dict(block_n=128), dict(num_warps=8), dict(num_stages=1),
-                  dict(num_stages=3)]
+      configs += [dict(block_n=32), dict(block_n=128), dict(num_warps=12 - default.num_warps),
+                  dict(num_stages=1), dict(num_stages=3)]
       configs += [dict(num_splits=x) for x in sorted({max(1, s // 2), 2 * s} - {s})][:2]
       if small:
         configs = configs[:2]

@@ -206,12 +206,15 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_
 
   BLOCK_Q = T * G rounded up to a power of two, at least 16 (the smallest tensor-core
   dot edge: decode with G = 4 wastes 3/4 of a tiny dot, which is free in a bandwidth
-  bound loop) and at most 64, so a prefill chunk becomes several query tiles and the
-  [BLOCK_Q, D] float32 accumulator stays within 64 registers per thread at 4 warps.
-  BLOCK_N = 64 keys (32 for D > 128): a 64 x 128 bf16 tile is 16 KiB per operand, and
-  2 pipeline stages of K and V (64 KiB of shared memory) leave room for 3 programs per
-  SM on an H200 (228 KiB) and fit an MI300X's 64 KiB LDS at BLOCK_N = 32 or 1 stage if
-  the compiler needs it (the benchmark sweeps these). 4 warps (8 for BLOCK_Q >= 128).
+  bound loop) and at most 64, so a prefill chunk becomes several query tiles.
+  BLOCK_N = 64 keys (32 for D > 128): 16 KiB per bf16 K or V tile at D = 128. Compiled
+  offline with Triton 3.6 (D = 128, bf16, 2 stages), the decode tile (BLOCK_Q = 16,
+  4 warps) takes 127 registers and 38 KiB of shared memory on sm_90 (4 programs per
+  SM), 156 VGPRs and 32 KiB of LDS on gfx950, without spills. Gathered K/V tiles keep
+  a pointer per element, so wider query tiles cost registers: at BLOCK_Q = 32, 4 warps
+  take 175 registers on sm_90 and 256 VGPRs on gfx942 (occupancy 1-2), 8 warps 128 and
+  190; hence 4 warps for BLOCK_Q = 16 and 8 from 32 up. 2 stages (the benchmark sweeps
+  BLOCK_N, warps, stages and splits on the device).
 
   MIN_SPLIT = max(256, 16 * T * G) keys, a power of two: a split's partials cost
   ~8 * T * G * D bytes (float32 write + read) against >= MIN_SPLIT * 2 * D * itemsize
@@ -235,7 +238,7 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_
     by_capacity = max(1, capacity // ms)
     by_capacity = 1 << (by_capacity.bit_length() - 1)  # power of two at most that
     num_splits = max(1, min(want, by_capacity, _MAX_SPLITS))
-  warps = num_warps or (8 if bq >= 128 else 4)
+  warps = num_warps or (4 if bq <= 16 else 8)
   stages = num_stages or 2
   for name, v in (("block_q", bq), ("block_n", bn)):
     if v < 16 or v & (v - 1):
