@@ -197,6 +197,7 @@ class PagedAttentionConfig(NamedTuple):
   min_split: int    # fewest keys in one split of one sequence
   num_warps: int
   num_stages: int
+  combine_warps: int  # of the combine kernel (one [splits, D] tile per program)
 
 
 def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_q=None,
@@ -245,7 +246,9 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_
       raise ValueError(f"{name}={v} must be a power of two >= 16")
   if num_splits < 1:
     raise ValueError(f"num_splits={num_splits} must be >= 1")
-  return PagedAttentionConfig(bq, bn, block_d, int(num_splits), int(ms), warps, stages)
+  combine_warps = 4 if _common.next_power_of_2(num_splits) * block_d >= 4096 else 2
+  return PagedAttentionConfig(bq, bn, block_d, int(num_splits), int(ms), warps, stages,
+                              combine_warps)
 
 
 def paged_attention_config(q, k_pages, page_table, **tuning) -> PagedAttentionConfig:
@@ -464,12 +467,11 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, kv_len, q_len, bloc
   )(*inputs)
   out = outs[0]
   if cfg.num_splits > 1:
-    combine_warps = 4 if cfg.num_splits * cfg.block_d >= 4096 else 2
     out = pl.pallas_call(
         functools.partial(_combine_kernel, **statics),
         out_shape=jax.ShapeDtypeStruct((rows, d), q.dtype), grid=(n, t, b),
         input_output_aliases={5: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=combine_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.combine_warps, num_stages=1),
         interpret=interpret, name="paged_attention_combine",
     )(*lens, *outs[1:], out)
   return out.reshape(b, t, n, d)
