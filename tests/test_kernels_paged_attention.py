@@ -237,6 +237,18 @@ def test_heuristic():
     bs(1, 1, 4, 128, 8, 4096, block_n=48)
 
 
+def test_splits_follow_the_live_length():
+  """With S static splits, a sequence uses cdiv(kv_len, split_len) of them: one for a
+  short sequence (no partials, no combine work), all S for a long one."""
+  cfg = pa_mod._block_sizes(1, 1, 4, 128, 8, 32768)  # decode B=1: 64 splits
+  kv = jnp.asarray([0, 1, 128, 256, 257, 4096, 32768, 32767], jnp.int32)
+  split_len = pa_mod._split_len(kv, num_splits=cfg.num_splits, min_split=cfg.min_split,
+                                block_n=cfg.block_n)
+  used = np.asarray(-(-kv // split_len))
+  np.testing.assert_array_equal(used, [0, 1, 1, 1, 2, 16, 64, 64])
+  assert np.all(np.asarray(split_len) % cfg.block_n == 0)
+
+
 def test_jit_and_non_power_of_two_head_dim():
   # D = 80 pads to a 128-wide tile with masked columns.
   rng = np.random.default_rng(4)
