@@ -22,7 +22,7 @@ One run does three things, in this order:
    the reference, ms-scale, as back-to-back jitted calls.
 With --sweep, each timed row also tries a few block_n / num_warps / num_stages /
 num_splits settings (each one checked against the reference) and reports the best;
-past --sweep-seconds (default 200) into the run the remaining rows run their heuristic
+past --sweep-seconds (default 170) into the run the remaining rows run their heuristic
 setting only, so that one GPU call stays within ~4 minutes.
 --small runs tiny shapes in interpret mode on a CPU (a test of this script).
 """
@@ -148,7 +148,7 @@ def main():
   ap.add_argument("--small", action="store_true", help="tiny shapes (CPU, interpret mode)")
   ap.add_argument("--sweep", action="store_true", help="try tuning settings per timed row")
   ap.add_argument("--json", type=str, default=None)
-  ap.add_argument("--sweep-seconds", type=float, default=200,
+  ap.add_argument("--sweep-seconds", type=float, default=170,
                   help="past this many seconds into the run, timed rows skip the sweep "
                        "and run their heuristic setting only")
   ap.add_argument("--only", type=str, default=None,
