@@ -12,6 +12,7 @@ from eagle_jax.kernels._common import TRITON_CUSTOM_CALL
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.gathered_lm_head import gathered_lm_head
 from eagle_jax.kernels.norm_concat import rmsnorm_concat
+from eagle_jax.kernels.paged_attention import paged_attention
 from eagle_jax.kernels.spec_sampler import speculative_sample
 from eagle_jax.sampling import SamplingRows
 
@@ -40,6 +41,18 @@ CASES = {
     "gathered_lm_head": (
         lambda h, r, w: gathered_lm_head(h, r, w, interpret=False),
         [S((16, 64), bf16), S((4,), i32), S((1000, 64), bf16)], 1),
+    # Decode at B=1 over a 4096-token page table: split-K, so the attention kernel and
+    # the combine; a tree-masked verify block over a 128-token table: one kernel (too short
+    # to split).
+    "paged_attention_split": (
+        lambda q, k, v, pt, kl, ql: paged_attention(q, k, v, pt, kl, ql, interpret=False),
+        [S((1, 1, 32, 128), bf16), S((300, 16, 8, 128), bf16), S((300, 16, 8, 128), bf16),
+         S((1, 256), i32), S((1,), i32), S((1,), i32)], 2),
+    "paged_attention_tree": (
+        lambda q, k, v, pt, kl, ql, m: paged_attention(q, k, v, pt, kl, ql, block_mask=m,
+                                                         interpret=False),
+        [S((256, 6, 8, 64), f32), S((300, 16, 2, 64), f32), S((300, 16, 2, 64), f32),
+         S((256, 8), i32), S((256,), i32), S((256,), i32), S((256, 6, 6), jnp.bool_)], 1),
 }
 
 

@@ -7,7 +7,8 @@ import rmsnorm_concat``):
 * ``draft_proposal``: one draft token per row and the q it was drawn from;
 * ``spec_sampler``: the verify sampler (rejection sampling);
 * ``gathered_lm_head``: the LM head over selected rows only;
-* ``norm_concat``: EAGLE-3's fused dual RMSNorm + concat.
+* ``norm_concat``: EAGLE-3's fused dual RMSNorm + concat;
+* ``paged_attention``: ragged paged attention of query blocks over the paged KV pool.
 
 The package re-exports nothing: a function named like its module (``gathered_lm_head``)
 would hide the module, and the comparison tool finds each kernel's ``_*_pallas`` entry

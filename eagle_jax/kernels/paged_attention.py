@@ -1,0 +1,540 @@
+"""Ragged paged attention: query blocks of any length over a paged KV pool, Pallas / Triton.
+
+Layout. One layer's keys and values live in two pools ``k_pages, v_pages: [P, page_size,
+K, D]``. Sequence b owns the pages ``page_table[b, :]``; its key at absolute position j
+is pool row ``page_table[b, j // page_size] * page_size + j % page_size`` of the pool
+viewed as ``[P * page_size, K, D]`` (a free reshape). Sequence b has ``kv_len[b]`` live
+keys and a query block of ``q_len[b]`` tokens (1 for decode, S+1 for verify, a prefill
+chunk, later a tree of drafts), padded to a static T: they are the sequence's LAST
+q_len[b] positions, query t sitting at ``kv_len[b] - q_len[b] + t``.
+
+Visibility. Query t sees every key before the block, and within the block (positions
+``kv_len - q_len .. kv_len - 1``) block key u iff ``u <= t`` (causal, the default) or, when
+``block_mask [B, T, T]`` is given, iff ``block_mask[b, t, u]`` (a tree of draft tokens:
+each node sees its ancestors and itself). Rows t >= q_len[b] (padding), empty sequences
+and rows that see no key output exact zeros. The mask is one predicate on (row, key
+position) inside the key loop, so a per-sequence custom mask changes no other part.
+
+Kernel 1 (``_attention_kernel``), grid ``(query tiles, num_splits, B * K)``. One program
+owns one (sequence b, KV head h, query tile, KV split s). Its query tile is BLOCK_Q rows
+r = t * G + g of the flattened (token, group head) block (G = N // K query heads share
+KV head h; T * G rows pad to >= 16, the smallest dot edge; a prefill chunk spans several
+tiles), so every K/V tile it loads serves all G heads at once: a KV head's pages are
+read once per query tile, i.e. once in decode and verify. The program walks keys in
+BLOCK_N-row tiles (independent of page_size): it loads the page-table entries of the
+tile's positions, clamps them into [0, P), and gathers the pool rows. The walk is a
+``fori_loop`` with traced bounds (lowered to ``scf.for`` with dynamic bounds), from the
+split's first key to the smallest of the split's end, the live length and, for causal
+blocks, the tile's largest query position + 1: pages past the live length are never
+read. Scores ``Q K^T`` and ``P V`` are 2-D ``dot_general`` calls with float32
+accumulation (operands in the pool's dtype, P cast to it as flash attention does); the
+online softmax runs in float32 in base 2 (log2(e) folded into the scale), with a finite
+running-max floor so that fully masked tiles give exp2(-inf) = 0, never NaN.
+
+Split-K (flash decoding) and the combine. ``num_splits`` S is static (heuristic below),
+but each sequence cuts its own live length into splits of ``split_len(b) =
+round_up(max(cdiv(kv_len[b], S), MIN_SPLIT), BLOCK_N)`` keys, so a short sequence uses
+one split and a long one all S: every split with keys does real work, and the programs
+of unused splits exit after two scalar loads. Per query row the number of splits that
+hold its keys is ``n_row = cdiv(keys of the row, split_len(b))``:
+
+* rows with n_row <= 1 (every row of a short sequence, padding rows, empty slots) are
+  finished by split 0 itself: it writes the normalised output directly;
+* rows with n_row >= 2 write an unnormalised float32 partial (acc [D], running max m,
+  sum l) per split that holds their keys, and a second small kernel
+  (``_combine_kernel``, one program per output row) merges exactly those n_row
+  partials and writes the row; it exits at once for rows that split 0 finished.
+
+So partial bytes exist only for rows that needed splitting, and there they are
+(write + read) ~8 * (T * G) * D bytes per split per KV head against >= MIN_SPLIT * D *
+2 * itemsize bytes of K/V read: MIN_SPLIT >= 16 * T * G keeps them under ~1/8 of the
+live KV bytes (and under 1/30 for decode). With S == 1 there are no partials and no
+second kernel. The output of kernel 1 is aliased into the combine (rows are written
+by exactly one of the two kernels).
+
+Bad input. Shape mismatches raise ValueError at trace time. kv_len and q_len are the
+caller's contract, but never cause an out-of-bounds read: kv_len is clamped into [0,
+max_pages * page_size], q_len into [0, T], page-table columns into [0, max_pages) and
+page ids into [0, P). Unsupported dtypes or head sizes, and backends without a Triton
+lowering (TPU), take the pure-jnp reference, which is also the engine's fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from eagle_jax.kernels import _common
+
+_LOG2E = 1.4426950408889634
+# Floor of the running max: finite, so exp2(m_old - m_new) and exp2(-inf - m) stay
+# well defined (1 and 0) while a row has seen no visible key yet.
+_M_FLOOR = -1e30
+# Programs kernel 1 aims for (about 8 per SM of an H200, 3 per CU of an MI300X): below
+# this, long sequences are split.
+_TARGET_PROGRAMS = 1024
+_MAX_SPLITS = 64
+_MAX_HEAD_DIM = 256
+
+
+# --------------------------------------------------------------------------------------
+# Input checks (shared by the kernel and the reference).
+# --------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, kv_len, q_len, block_mask):
+  """Raises ValueError naming the argument whose shape is wrong; returns the sizes."""
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, N, D], got shape {q.shape}")
+  b, t, n, d = q.shape
+  if k_pages.ndim != 4 or k_pages.shape[3] != d:
+    raise ValueError(f"k_pages must be [P, page_size, K, D={d}], got shape {k_pages.shape}")
+  num_pages, page_size, k, _ = k_pages.shape
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages must have k_pages' shape {k_pages.shape}, got {v_pages.shape}")
+  if k == 0 or n % k:
+    raise ValueError(f"q's N={n} query heads must be a multiple of k_pages' K={k} kv heads")
+  if page_table.ndim != 2 or page_table.shape[0] != b:
+    raise ValueError(f"page_table must be [B={b}, max_pages], got shape {page_table.shape}")
+  if kv_len.shape != (b,):
+    raise ValueError(f"kv_len must be [B={b}], got shape {kv_len.shape}")
+  if q_len.shape != (b,):
+    raise ValueError(f"q_len must be [B={b}], got shape {q_len.shape}")
+  if block_mask is not None and block_mask.shape != (b, t, t):
+    raise ValueError(f"block_mask must be [B={b}, T={t}, T={t}], got shape {block_mask.shape}")
+  for name, x in (("page_table", page_table), ("kv_len", kv_len), ("q_len", q_len)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array, got {x.dtype}")
+  return b, t, n, d, num_pages, page_size, k, page_table.shape[1]
+
+
+def _scale(sm_scale, head_dim):
+  return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+# --------------------------------------------------------------------------------------
+# Reference (pure jnp; the fallback).
+# --------------------------------------------------------------------------------------
+
+
+def paged_attention_reference(
+    q,           # [B, T, N, D]
+    k_pages,     # [P, page_size, K, D]
+    v_pages,     # [P, page_size, K, D]
+    page_table,  # [B, max_pages] int
+    kv_len,      # [B] int
+    q_len,       # [B] int
+    *,
+    block_mask=None,  # [B, T, T] bool or None (causal)
+    sm_scale=None,
+):
+  """Dense reference: gathers each sequence's pages into [B, max_pages * page_size, K, D]
+  and runs masked softmax attention in float32. Same clamping and visibility as the
+  kernel; keys past the live length are zeroed after the gather (a freed page may hold
+  NaN). Returns [B, T, N, D] in q.dtype.
+  """
+  b, t, n, d, num_pages, page_size, k, max_pages = _check_inputs(
+      q, k_pages, v_pages, page_table, kv_len, q_len, block_mask)
+  g = n // k
+  cap = max_pages * page_size
+  kv = jnp.clip(kv_len.astype(jnp.int32), 0, cap)
+  ql = jnp.clip(q_len.astype(jnp.int32), 0, t)
+  pages = jnp.clip(page_table.astype(jnp.int32), 0, max(num_pages - 1, 0))
+  pos = jnp.arange(cap, dtype=jnp.int32)
+  live = pos[None, :] < kv[:, None]  # [B, L]
+
+  def dense(pool):  # [B, L, K, D], zero past the live length
+    x = pool[pages].reshape(b, cap, k, d)
+    return jnp.where(live[:, :, None, None], x, jnp.zeros((), x.dtype))
+
+  keys, values = dense(k_pages), dense(v_pages)
+  tok = jnp.arange(t, dtype=jnp.int32)
+  start = kv - ql  # [B] first position of the block
+  if block_mask is None:
+    qpos = start[:, None] + tok[None, :]  # [B, T]
+    visible = pos[None, None, :] <= qpos[:, :, None]
+  else:
+    u = jnp.clip(pos[None, :] - start[:, None], 0, t - 1)  # [B, L] block index of a key
+    in_block = pos[None, :] >= start[:, None]
+    bm = block_mask.astype(jnp.bool_)[
+        jnp.arange(b)[:, None, None], tok[None, :, None], u[:, None, :]]  # [B, T, L]
+    visible = jnp.where(in_block[:, None, :], bm, True)
+  visible = visible & live[:, None, :] & (tok[None, :] < ql[:, None])[:, :, None]
+
+  hi = lax.Precision.HIGHEST
+  qg = q.reshape(b, t, k, g, d)
+  s = jnp.einsum("btkgd,blkd->bkgtl", qg, keys, preferred_element_type=jnp.float32,
+                 precision=hi) * _scale(sm_scale, d)
+  s = jnp.where(visible[:, None, None], s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))  # 0 where not visible
+  l = jnp.sum(p, axis=-1)  # [B, K, G, T]
+  o = jnp.einsum("bkgtl,blkd->btkgd", p, values.astype(jnp.float32), precision=hi)
+  l = jnp.transpose(l, (0, 3, 1, 2))[..., None]  # [B, T, K, G, 1]
+  o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+  return o.reshape(b, t, n, d).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Heuristic.
+# --------------------------------------------------------------------------------------
+
+
+class PagedAttentionConfig(NamedTuple):
+  """The tiling, splits and launch parameters of one call (see ``_block_sizes``)."""
+
+  block_q: int      # query rows (token, group head) per program
+  block_n: int      # keys per loop step
+  block_d: int      # head_dim padded to a power of two
+  num_splits: int   # static KV splits (1 = no combine)
+  min_split: int    # fewest keys in one split of one sequence
+  num_warps: int
+  num_stages: int
+  combine_warps: int  # of the combine kernel (one [splits, D] tile per program)
+
+
+def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_q=None,
+                 block_n=None, num_splits=None, min_split=None, num_warps=None,
+                 num_stages=None) -> PagedAttentionConfig:
+  """Tile sizes, splits and launch parameters; every argument left None is heuristic.
+
+  BLOCK_Q = T * G rounded up to a power of two, at least 16 (the smallest tensor-core
+  dot edge: decode with G = 4 wastes 3/4 of a tiny dot, which is free in a bandwidth
+  bound loop) and at most 64, so a prefill chunk becomes several query tiles.
+  BLOCK_N = 64 keys (32 for D > 128): 16 KiB per bf16 K or V tile at D = 128. Compiled
+  offline with Triton 3.6 (D = 128, bf16, 2 stages), the decode tile (BLOCK_Q = 16,
+  4 warps) takes 127 registers and 38 KiB of shared memory on sm_90 (4 programs per
+  SM), 156 VGPRs and 32 KiB of LDS on gfx950, without spills. Gathered K/V tiles keep
+  a pointer per element, so wider query tiles cost registers: at BLOCK_Q = 32, 4 warps
+  take 175 registers on sm_90 and 256 VGPRs on gfx942 (occupancy 1-2), 8 warps 128 and
+  190; hence 4 warps for BLOCK_Q = 16 and 8 from 32 up. 2 stages (the benchmark sweeps
+  BLOCK_N, warps, stages and splits on the device).
+
+  MIN_SPLIT = max(256, 16 * T * G) keys, a power of two: a split's partials cost
+  ~8 * T * G * D bytes (float32 write + read) against >= MIN_SPLIT * 2 * D * itemsize
+  bytes of K/V, so with MIN_SPLIT >= 16 * T * G they stay below 1/8 of the live KV bytes
+  (a prefill chunk, T * G in the thousands, effectively never splits).
+  num_splits = the power of two that brings B * K * query tiles up to ~1024 programs,
+  but no more than the page table's capacity / MIN_SPLIT and 64: decode at B = 1 over a
+  32k table gets 64 splits (512 programs of 512 keys), B = 64 decode with K = 8 gets 2,
+  B >= 128 none. The per-sequence split length then keeps short sequences on one split.
+  """
+  rows = q_tokens * group
+  block_d = max(16, _common.next_power_of_2(head_dim))
+  bq = block_q or min(64, max(16, _common.next_power_of_2(rows)))
+  bn = block_n or (64 if block_d <= 128 else 32)
+  ms = min_split or max(256, _common.next_power_of_2(16 * rows))
+  ms = max(ms, bn)
+  q_tiles = _common.cdiv(rows, bq)
+  if num_splits is None:
+    programs = batch * kv_heads * q_tiles
+    want = _common.next_power_of_2(_common.cdiv(_TARGET_PROGRAMS, programs))
+    by_capacity = max(1, capacity // ms)
+    by_capacity = 1 << (by_capacity.bit_length() - 1)  # power of two at most that
+    num_splits = max(1, min(want, by_capacity, _MAX_SPLITS))
+  warps = num_warps or (4 if bq <= 16 else 8)
+  stages = num_stages or 2
+  for name, v in (("block_q", bq), ("block_n", bn)):
+    if v < 16 or v & (v - 1):
+      raise ValueError(f"{name}={v} must be a power of two >= 16")
+  if num_splits < 1:
+    raise ValueError(f"num_splits={num_splits} must be >= 1")
+  combine_warps = 4 if _common.next_power_of_2(num_splits) * block_d >= 4096 else 2
+  return PagedAttentionConfig(bq, bn, block_d, int(num_splits), int(ms), warps, stages,
+                              combine_warps)
+
+
+def paged_attention_config(q, k_pages, page_table, **tuning) -> PagedAttentionConfig:
+  """The configuration ``paged_attention`` picks for these shapes (arrays or
+  ShapeDtypeStructs) and tuning overrides; for benchmarks and logs."""
+  b, t, n, d = q.shape
+  _, page_size, k, _ = k_pages.shape
+  return _block_sizes(b, t, n // k, d, k, page_table.shape[1] * page_size, **tuning)
+
+
+# --------------------------------------------------------------------------------------
+# Kernel bodies.
+# --------------------------------------------------------------------------------------
+
+
+def _split_len(kv, *, num_splits, min_split, block_n):
+  """Keys per split of a sequence with kv live keys (a multiple of block_n)."""
+  n = jnp.maximum(pl.cdiv(kv, num_splits), min_split)
+  return pl.cdiv(n, block_n) * block_n
+
+
+def _row_keys(kv, ql, t, row_ok, causal):
+  """Keys a query row may see lie in [0, the returned count): its position + 1 when
+  causal, the whole live length under a block mask, 0 for padding rows."""
+  hi = jnp.clip(kv - ql + t + 1, 0, kv) if causal else jnp.broadcast_to(kv, t.shape)
+  return jnp.where(row_ok, hi, 0)
+
+
+def _store_rows(mask, rows, num_rows):
+  """Rows of a masked store, with masked-out lanes sent one past the end.
+
+  On a GPU a masked lane touches no memory, whatever its address. Pallas interpret
+  mode stores by a scatter that writes masked lanes back with the value it read, so a
+  masked lane must not share a row with a live one (padding rows clamp their token
+  index and would); past the end, the scatter drops it.
+  """
+  return jnp.where(mask, rows, num_rows)
+
+
+def _attention_kernel(
+    # inputs
+    kv_len_ref,  # [B] int32
+    q_len_ref,   # [B] int32
+    table_ref,   # [B * max_pages] int32
+    q_ref,       # [B * T * N, D]
+    k_ref,       # [P * page_size * K, D]
+    v_ref,       # [P * page_size * K, D]
+    *refs,       # block mask [B * T, T] int8 if given; out [B * T * N, D]; partials
+    causal: bool, t_len: int, num_heads: int, kv_heads: int, head_dim: int,
+    page_size: int, max_pages: int, num_pages: int, scale_log2: float, cfg: PagedAttentionConfig,
+):
+  if causal:
+    mask_ref, (o_ref, *part_refs) = None, refs
+  else:
+    mask_ref, o_ref, *part_refs = refs
+  group = num_heads // kv_heads
+  bq, bn, bd, num_splits = cfg.block_q, cfg.block_n, cfg.block_d, cfg.num_splits
+  qt, s, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, h = bh // kv_heads, bh % kv_heads
+  kv = jnp.clip(kv_len_ref[b], 0, max_pages * page_size)
+  ql = jnp.clip(q_len_ref[b], 0, t_len)
+  start = kv - ql  # position of block token 0
+
+  # The tile's query rows r = t * G + g (token t, head h * G + g).
+  r = qt * bq + jnp.arange(bq, dtype=jnp.int32)
+  t = r // group
+  row_in = r < t_len * group
+  row_ok = row_in & (t < ql)
+  t_safe = jnp.minimum(t, t_len - 1)
+  qrow = (b * t_len + t_safe) * num_heads + h * group + r % group  # [BQ] rows of q / out
+  d = jnp.arange(bd, dtype=jnp.int32)
+  d_ok = d < head_dim
+
+  # Keys of split s that any row of this tile sees: [lo, hi).
+  split_len = _split_len(kv, num_splits=num_splits, min_split=cfg.min_split, block_n=bn)
+  n_row = pl.cdiv(_row_keys(kv, ql, t, row_ok, causal), split_len)  # splits per row
+  t_last = jnp.minimum(jnp.minimum((qt * bq + bq - 1) // group, t_len - 1), ql - 1)
+  tile_keys = _row_keys(kv, ql, t_last, t_last >= (qt * bq) // group, causal)
+  lo = s * split_len
+  hi = jnp.minimum(tile_keys, lo + split_len)
+
+  def attend():
+    q = plgpu.load(q_ref.at[qrow[:, None], d[None, :]],
+                   mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qpos = start + t  # [BQ]
+
+    def body(i, carry):
+      acc, m, l = carry
+      pos = lo + i * bn + jnp.arange(bn, dtype=jnp.int32)  # [BN] key positions
+      key_ok = pos < hi
+      col = jnp.minimum(pos // page_size, max_pages - 1)
+      page = plgpu.load(table_ref.at[b * max_pages + col], mask=key_ok, other=0)
+      page = jnp.clip(page, 0, num_pages - 1)
+      krow = (page * page_size + pos % page_size) * kv_heads + h  # [BN] pool rows
+      kv_mask = key_ok[:, None] & d_ok[None, :]
+      k = plgpu.load(k_ref.at[krow[:, None], d[None, :]], mask=kv_mask, other=0.0)
+      sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32) * scale_log2  # [BQ, BN]
+      if causal:
+        visible = key_ok[None, :] & (pos[None, :] <= qpos[:, None])
+      else:
+        in_block = pos >= start
+        u = jnp.clip(pos - start, 0, t_len - 1)
+        bm = plgpu.load(mask_ref.at[(b * t_len + t_safe)[:, None], u[None, :]],
+                        mask=row_ok[:, None] & (key_ok & in_block)[None, :], other=0)
+        visible = key_ok[None, :] & (~in_block[None, :] | (bm != 0))
+      sc = jnp.where(visible, sc, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(sc - m_new[:, None])
+      v = plgpu.load(v_ref.at[krow[:, None], d[None, :]], mask=kv_mask, other=0.0)
+      pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+      return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros((bq, bd), jnp.float32), jnp.full((bq,), _M_FLOOR, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
+    return lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), bn), body, init)
+
+  # Split 0 always runs (it writes every row finished in one split, padding included);
+  # another split runs only if some row of the tile has keys in it.
+  @pl.when((s == 0) | (lo < hi))
+  def _():
+    acc, m, l = attend()
+    if num_splits > 1:
+      acc_ref, m_ref, l_ref = part_refs
+      part = row_ok & (s < n_row) & (n_row >= 2)
+      prow = _store_rows(part, qrow * num_splits + s, acc_ref.shape[0])
+      plgpu.store(acc_ref.at[prow[:, None], d[None, :]], acc,
+                  mask=part[:, None] & d_ok[None, :])
+      plgpu.store(m_ref.at[prow], m, mask=part)
+      plgpu.store(l_ref.at[prow], l, mask=part)
+
+    @pl.when(s == 0)
+    def _():
+      done = row_ok & (l > 0.0)
+      out = jnp.where(done[:, None], acc / jnp.where(done, l, 1.0)[:, None], 0.0)
+      final = row_in & (n_row <= 1) if num_splits > 1 else row_in
+      orow = _store_rows(final, qrow, o_ref.shape[0])
+      plgpu.store(o_ref.at[orow[:, None], d[None, :]], out.astype(o_ref.dtype),
+                  mask=final[:, None] & d_ok[None, :])
+
+
+def _combine_kernel(
+    kv_len_ref,  # [B] int32
+    q_len_ref,   # [B] int32
+    acc_ref,     # [B * T * N * S, D] float32 unnormalised partial outputs
+    m_ref,       # [B * T * N * S] float32 running maxima (base 2)
+    l_ref,       # [B * T * N * S] float32 sums
+    o_in_ref,    # [B * T * N, D] kernel 1's output, aliased to o_ref
+    o_ref,       # [B * T * N, D]
+    *, causal: bool, t_len: int, num_heads: int, head_dim: int, page_size: int,
+    max_pages: int, cfg: PagedAttentionConfig,
+):
+  del o_in_ref  # rows finished by kernel 1 stay as they are
+  n, t, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  kv = jnp.clip(kv_len_ref[b], 0, max_pages * page_size)
+  ql = jnp.clip(q_len_ref[b], 0, t_len)
+  split_len = _split_len(kv, num_splits=cfg.num_splits, min_split=cfg.min_split,
+                         block_n=cfg.block_n)
+  n_row = pl.cdiv(_row_keys(kv, ql, t, t < ql, causal), split_len)
+
+  @pl.when(n_row >= 2)
+  def _():
+    sp = jnp.arange(_common.next_power_of_2(cfg.num_splits), dtype=jnp.int32)
+    s_ok = sp < n_row
+    row = (b * t_len + t) * num_heads + n
+    prow = row * cfg.num_splits + sp
+    d = jnp.arange(cfg.block_d, dtype=jnp.int32)
+    d_ok = d < head_dim
+    m = plgpu.load(m_ref.at[prow], mask=s_ok, other=_M_FLOOR)
+    l = plgpu.load(l_ref.at[prow], mask=s_ok, other=0.0)
+    acc = plgpu.load(acc_ref.at[prow[:, None], d[None, :]],
+                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    w = jnp.exp2(m - jnp.max(m))
+    total = jnp.sum(w * l)
+    out = jnp.sum(w[:, None] * acc, axis=0) / jnp.where(total > 0.0, total, 1.0)
+    plgpu.store(o_ref.at[row, d], out.astype(o_ref.dtype), mask=d_ok)
+
+
+# --------------------------------------------------------------------------------------
+# pallas_call wrapper.
+# --------------------------------------------------------------------------------------
+
+
+def _paged_attention_pallas(q, k_pages, v_pages, page_table, kv_len, q_len, block_mask, *,
+                            scale, interpret, cfg: PagedAttentionConfig):
+  b, t, n, d = q.shape
+  num_pages, page_size, kv_heads, _ = k_pages.shape
+  max_pages = page_table.shape[1]
+  group = n // kv_heads
+  causal = block_mask is None
+  q_tiles = pl.cdiv(t * group, cfg.block_q)
+  i32 = jnp.int32
+  statics = dict(causal=causal, t_len=t, num_heads=n, head_dim=d, page_size=page_size,
+                 max_pages=max_pages, cfg=cfg)
+  lens = (kv_len.astype(i32), q_len.astype(i32))
+  inputs = [*lens, page_table.astype(i32).reshape(-1), q.reshape(b * t * n, d),
+            k_pages.reshape(-1, d), v_pages.reshape(-1, d)]
+  if not causal:
+    inputs.append(block_mask.astype(jnp.int8).reshape(b * t, t))
+  rows = b * t * n
+  out_shape = [jax.ShapeDtypeStruct((rows, d), q.dtype)]
+  if cfg.num_splits > 1:
+    parts = rows * cfg.num_splits
+    out_shape += [jax.ShapeDtypeStruct((parts, d), jnp.float32),
+                  jax.ShapeDtypeStruct((parts,), jnp.float32),
+                  jax.ShapeDtypeStruct((parts,), jnp.float32)]
+  params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  kernel = functools.partial(
+      _attention_kernel, kv_heads=kv_heads, num_pages=num_pages,
+      scale_log2=scale * _LOG2E, **statics)
+  outs = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(q_tiles, cfg.num_splits, b * kv_heads),
+      compiler_params=params, interpret=interpret, name="paged_attention",
+  )(*inputs)
+  out = outs[0]
+  if cfg.num_splits > 1:
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, **statics),
+        out_shape=jax.ShapeDtypeStruct((rows, d), q.dtype), grid=(n, t, b),
+        input_output_aliases={5: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.combine_warps, num_stages=1),
+        interpret=interpret, name="paged_attention_combine",
+    )(*lens, *outs[1:], out)
+  return out.reshape(b, t, n, d)
+
+
+# --------------------------------------------------------------------------------------
+# Public entry point.
+# --------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    q,           # [B, T, N, D]
+    k_pages,     # [P, page_size, K, D]
+    v_pages,     # [P, page_size, K, D]
+    page_table,  # [B, max_pages] int32
+    kv_len,      # [B] int32
+    q_len,       # [B] int32
+    *,
+    block_mask=None,  # [B, T, T] bool or None
+    sm_scale=None,
+    interpret=None,
+    block_q=None,
+    block_n=None,
+    num_splits=None,
+    min_split=None,
+    num_warps=None,
+    num_stages=None,
+):
+  """Attention of each sequence's query block over its pages of the KV pool.
+
+  Args:
+    q: [B, T, N, D] queries; row t < q_len[b] of sequence b sits at position
+      kv_len[b] - q_len[b] + t. N must be a multiple of K (GQA, G = N // K).
+    k_pages, v_pages: [P, page_size, K, D] one layer's key / value pool (q's dtype,
+      bfloat16 or float32 for the kernel; anything else takes the reference).
+    page_table: [B, max_pages] int32 page ids of each sequence (entries past a
+      sequence's live pages are never read).
+    kv_len: [B] int32 live keys per sequence, the query block included.
+    q_len: [B] int32 valid queries of each block (rows past it output 0).
+    block_mask: [B, T, T] bool or None. None = causal inside the block; otherwise query
+      t sees block key u iff block_mask[b, t, u] (keys before the block: always).
+    sm_scale: score scale, None = 1 / sqrt(D).
+    interpret: None = automatic (interpret on CPU); False forces the Triton path.
+    block_q, block_n, num_splits, min_split, num_warps, num_stages: override the
+      heuristic (see ``_block_sizes``), for tests and benchmarks.
+  Returns:
+    [B, T, N, D] in q.dtype.
+  """
+  b, t, n, d, num_pages, page_size, k, max_pages = _check_inputs(
+      q, k_pages, v_pages, page_table, kv_len, q_len, block_mask)
+  dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+  supported = (
+      _common.kernel_backend_ok(interpret)
+      and q.dtype in dtypes and k_pages.dtype == q.dtype and v_pages.dtype == q.dtype
+      and 0 < d <= _MAX_HEAD_DIM
+      and min(b, t, n, num_pages, page_size, max_pages) > 0
+  )
+  if not supported:
+    return paged_attention_reference(q, k_pages, v_pages, page_table, kv_len, q_len,
+                                     block_mask=block_mask, sm_scale=sm_scale)
+  cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size, block_q=block_q,
+                     block_n=block_n, num_splits=num_splits, min_split=min_split,
+                     num_warps=num_warps, num_stages=num_stages)
+  return _paged_attention_pallas(
+      q, k_pages, v_pages, page_table, kv_len, q_len, block_mask,
+      scale=_scale(sm_scale, d), interpret=_common.resolve_interpret(interpret), cfg=cfg)
