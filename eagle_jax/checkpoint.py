@@ -205,30 +205,49 @@ def module_param_paths(module: nnx.Module) -> list[tuple[tuple, nnx.Param]]:
     return out
 
 
+def _part_names(path: tuple, var: nnx.Param, name_of: Callable[[tuple], str]):
+    """[(checkpoint name, rows)] of a parameter: itself, or the separate tensors a fused
+    parameter (``checkpoint_parts`` metadata, see ``models.layers.FusedLinear``) is made of:
+    the fused module's name in the path replaced by each part's."""
+    parts = getattr(var, "checkpoint_parts", None)
+    if parts is None:
+        return [(name_of(path), var.shape[0])]
+    return [(name_of(path[:-2] + (part,) + path[-1:]), rows) for part, rows in parts]
+
+
 def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[tuple], str],
               dtype, *, optional: Iterable[str] = ()) -> None:
     """Fills every parameter of ``module`` from the checkpoint, cast to ``dtype``.
 
-    ``name_of`` maps a parameter path (e.g. ``('layers', 0, 'mlp', 'up_proj', 'weight')``)
-    to its checkpoint name. The expected shape is the parameter's own; a missing tensor
-    or a shape mismatch raises a CheckpointError naming the file, tensor and shape.
+    ``name_of`` maps a parameter path (e.g. ``('layers', 0, 'mlp', 'down_proj', 'weight')``)
+    to its checkpoint name; a fused parameter is the concatenation (along its first axis)
+    of its parts' tensors. The expected shape is the parameter's own (each part's rows);
+    a missing tensor or a shape mismatch raises a CheckpointError naming the file, tensor
+    and shape.
     """
     optional = set(optional)
     for path, var in module_param_paths(module):
-        name = name_of(path)
-        if name in optional and name not in reader:
+        parts = _part_names(path, var, name_of)
+        if len(parts) == 1 and parts[0][0] in optional and parts[0][0] not in reader:
             continue
-        arr = reader.get(name, expected_shape=var.shape)
+        arrays = [reader.get(name, expected_shape=(rows,) + tuple(var.shape[1:]))
+                  for name, rows in parts]
+        arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
         var.set_value(jnp.asarray(arr, dtype=dtype))
 
 
 def module_tensors(module: nnx.Module, name_of: Callable[[tuple], str],
                    dtype=None) -> dict[str, np.ndarray]:
-    """Checkpoint-named numpy copies of every parameter of ``module``."""
+    """Checkpoint-named numpy copies of every parameter of ``module`` (fused parameters
+    split back into their parts)."""
     out = {}
     for path, var in module_param_paths(module):
         arr = np.asarray(jax.device_get(var[...]))
-        out[name_of(path)] = arr if dtype is None else arr.astype(dtype)
+        arr = arr if dtype is None else arr.astype(dtype)
+        start = 0
+        for name, rows in _part_names(path, var, name_of):
+            out[name] = arr[start:start + rows]
+            start += rows
     return out
 
 

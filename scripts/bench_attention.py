@@ -206,7 +206,8 @@ def main():
     out = jax.jit(kernel_fn(tuning))(*a)
     ref = ref_fn(*a)
     err, finite, zeros = rel_error(out, ref, ql)
-    ok = finite and zeros and err < (2e-2 if dt == bf16 else 1e-4)
+    # float32: Triton's dot on a GPU takes TF32 operands (10-bit mantissa), ~3e-4 relative.
+    ok = finite and zeros and err < (2e-2 if dt == bf16 else 1e-3)
     failed += not ok
     cfg = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"], **tuning)
     line = (f"{'PASS' if ok else 'FAIL'} {label}: B={b} T={t} N={n} K={k} D={d} "

@@ -43,8 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tokens per step (default: num_steps + 1)")
     g.add_argument("--draft-sample-method", default="greedy",
                    choices=["greedy", "probabilistic"])
-    g.add_argument("--max-model-len", type=_positive_int, default=2048)
-    g.add_argument("--max-num-seqs", type=_positive_int, default=64, help="batch slots")
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="tokens per request (default: the models' own limit, capped by "
+                        "what the KV pool holds)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                   help="batch slots (requests decoded at once; more wait for KV pages)")
+    g.add_argument("--page-size", type=_positive_int, default=16,
+                   help="positions per KV page (a power of two)")
     g.add_argument("--batch-buckets", default=None,
                    help="comma-separated batch buckets (default: powers of two up to "
                         "--max-num-seqs)")
@@ -52,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated prompt chunk lengths compiled for prefill "
                         "(default: the engine's)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    g.add_argument("--kv-cache-memory", type=_positive_int, default=None,
+                   help="KV pool bytes")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
-                   help="or this share of the free device memory (GPU)")
+                   help="or this share of the free device memory (GPU; default 0.75)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-precompile", action="store_true",
                    help="compile batch buckets lazily instead of at start-up")
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_sample_method=args.draft_sample_method,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        page_size=args.page_size,
         batch_buckets=_buckets(args.batch_buckets, args.max_num_seqs),
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,

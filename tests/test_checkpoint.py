@@ -47,7 +47,7 @@ def test_bfloat16_tensors_round_trip_and_cast(tmp_path):
 
 def test_cast_to_requested_dtype(tiny_targets):
     m = load_decoder(tiny_targets("llama"), "bfloat16")
-    assert m.layers[0].self_attn.q_proj.weight.dtype == jnp.bfloat16
+    assert m.layers[0].self_attn.qkv_proj.weight.dtype == jnp.bfloat16
 
 
 def test_missing_tensor_names_file_tensor_and_shape(tiny_targets, tmp_path):

@@ -27,7 +27,6 @@ from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.models.decoder import load_decoder
-from eagle_jax.models.layers import KVCache
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
 
 VOCAB = 16
@@ -52,13 +51,11 @@ def pair(tmp_path_factory):
 def _exact_joint(target_dir, temperature, top_k, top_p):
     """p(t2, t3) under the target with the request's filters, as a [V, V] table."""
     model = load_decoder(target_dir, "float32")
-    c = model.config
     t1, t2 = np.meshgrid(np.arange(VOCAB), np.arange(VOCAB), indexing="ij")
     seqs = np.concatenate([np.tile(PROMPT, (VOCAB * VOCAB, 1)), t1.reshape(-1, 1),
                            t2.reshape(-1, 1)], axis=1)
     n = seqs.shape[1]
-    cache = KVCache.zeros(c.num_layers, len(seqs), n, c.num_kv_heads, c.head_dim, jnp.float32)
-    logits = model(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(n), seqs.shape), cache).logits
+    logits = model(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(n), seqs.shape), None).logits
     rows = logits.shape[:2]
     probs = np.asarray(sampling_probs(logits, SamplingRows(
         jnp.full(rows, temperature), jnp.full(rows, top_k, jnp.int32), jnp.full(rows, top_p),

@@ -218,9 +218,9 @@ def test_unsupported_dtype_falls_back_to_reference():
 
 def test_heuristic():
   bs = pa_mod._block_sizes
-  # Decode, B=1 over a 32k table: many splits; B=64: few; B=256: none.
+  # Decode, B=1 over a 32k table: many splits; B=64 (512 programs): none.
   assert bs(1, 1, 4, 128, 8, 32768).num_splits == 64
-  assert bs(64, 1, 4, 128, 8, 32768).num_splits <= 2
+  assert bs(64, 1, 4, 128, 8, 32768).num_splits == 1
   assert bs(256, 1, 4, 128, 8, 32768).num_splits == 1
   # A short page table caps the splits at capacity / MIN_SPLIT.
   assert bs(1, 1, 4, 128, 8, 512).num_splits == 2

@@ -701,9 +701,30 @@ def test_metrics_match_served(http):
                  "vllm:num_requests_waiting", "vllm:request_success", "vllm:prompt_tokens",
                  "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
                  "vllm:e2e_request_latency_seconds", "vllm:time_per_output_token_seconds",
-                 "vllm:request_queue_time_seconds"):
+                 "vllm:request_queue_time_seconds", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions"):
         assert name in names, name
     assert f'model_name="{NAME}"' in text
+    assert _m(after, "vllm:kv_cache_usage_perc") == 0.0  # idle: every page free
+
+
+def test_scheduler_metrics_follow_the_engine():
+    """KV usage is the engine's fraction now; preemptions count up by the engine's
+    cumulative total (vLLM's gauge and counter names)."""
+    from eagle_jax.engine.types import SchedulerStats
+    from eagle_jax.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.update_scheduler(SchedulerStats(3, 2, 0.625, 4))
+    metrics.update_scheduler(SchedulerStats(1, 0, 0.25, 7))
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(metrics.render().decode())
+              for s in f.samples}
+    label = (("model_name", "m"),)
+    assert values[("vllm:kv_cache_usage_perc", label)] == 0.25
+    assert values[("vllm:num_preemptions_total", label)] == 7
+    assert values[("vllm:num_requests_running", label)] == 1
+    assert values[("vllm:num_requests_waiting", label)] == 0
 
 
 def test_periodic_log_line(server):
@@ -808,11 +829,10 @@ class _FlakyEngine:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
-    def num_running(self):
-        return len(self.requests)
+    def scheduler_stats(self):
+        from eagle_jax.engine.types import SchedulerStats
 
-    def num_waiting(self):
-        return 0
+        return SchedulerStats(len(self.requests), 0, 0.0, 0)
 
     def step(self):
         from eagle_jax.engine.types import RequestOutput

@@ -55,7 +55,7 @@ def setup(tmp_path_factory):
         def loss_fn(p):
             m = nnx.merge(graphdef, p)
             pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
-            logits = m(x, pos, m.init_cache(*x.shape)).logits[:, :-1]
+            logits = m(x, pos, None).logits[:, :-1]
             lp = jax.nn.log_softmax(logits, -1)
             return -jnp.mean(jnp.take_along_axis(lp, x[:, 1:, None], -1))
         grads = jax.grad(loss_fn)(params)

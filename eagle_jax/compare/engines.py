@@ -89,10 +89,10 @@ def perturbed_compile(perturb: str, scale: float) -> Callable:
         raise ValueError(f"perturb must be one of {PERTURB_KINDS[1:]}, got {perturb!r}")
 
     def faulty(run):
-        def wrapped(target_params, draft_params, state):
+        def wrapped(target_params, draft_params, *rest):
             if perturb == "weight-noise":
                 target_params = _weight_noise(target_params, scale, jax.random.PRNGKey(1234))
-            state, out = run(target_params, draft_params, state)
+            state, out = run(target_params, draft_params, *rest)
             if perturb == "flip-token":
                 state, out = _flip_last_token(state, out)
             return state, out

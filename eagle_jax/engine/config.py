@@ -24,12 +24,15 @@ class EngineConfig:
       draft_sample_method: "greedy" proposes the draft argmax (q one-hot in the accept
         test); "probabilistic" samples sampled rows from the draft's q (greedy rows still
         propose the argmax, 001).
-      max_model_len: prompt + generated tokens per request; None = the target's limit.
-      max_num_seqs: most requests decoded at once (the slot count is also capped by
-        the KV memory budget).
+      max_model_len: prompt + generated tokens per request; None = the models' own
+        limit (capped by what the KV pool holds).
+      max_num_seqs: most requests decoded at once (slots). Requests wait for KV pages
+        beyond that: the pool, not the slot count, bounds the tokens held.
+      page_size: positions per KV page.
       batch_buckets / prefill_buckets: compiled batch sizes and prompt chunk lengths.
-      kv_cache_memory: KV budget in bytes; kv_cache_memory_fraction: or this share of
-        the device memory (GPU only); with neither, slots = max_num_seqs.
+      kv_cache_memory: KV pool budget in bytes; kv_cache_memory_fraction: or this share
+        of the free device memory (a GPU; default 0.75 there). On a CPU without either,
+        the pool holds max_num_seqs requests of max_model_len.
       dtype: parameter and activation dtype ("bfloat16" or "float32").
       precompile: compile every bucket at start (with a progress bar).
       compilation_cache_dir: JAX persistent compilation cache ("" disables it).
@@ -45,8 +48,9 @@ class EngineConfig:
     num_steps: int = 5
     num_draft_tokens: int | None = None
     draft_sample_method: str = "greedy"
-    max_model_len: int | None = 2048
+    max_model_len: int | None = None
     max_num_seqs: int = 64
+    page_size: int = 16
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
     kv_cache_memory: int | None = None
@@ -80,6 +84,13 @@ class EngineConfig:
                              f"got {self.draft_sample_method!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive byte count, got "
+                             f"{self.kv_cache_memory}")
         if not self.batch_buckets or any(b < 1 for b in self.batch_buckets):
             raise ValueError(f"batch_buckets must be positive, got {self.batch_buckets}")
         if not self.prefill_buckets or any(b < 1 for b in self.prefill_buckets):

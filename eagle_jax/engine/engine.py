@@ -1,10 +1,15 @@
-"""The host-side engine: requests, slots, buckets, and the compiled step executables.
+"""The host-side engine: requests, slots, KV pages, buckets, and the compiled executables.
 
-The engine owns one ``DecodeState`` of ``num_slots`` rows on the device. Between steps,
-waiting requests join free slots (their sampling tensors written, their prompt
-prefilled), finished and aborted requests leave. A step runs the executable compiled
-for the smallest batch bucket that covers every occupied slot; the host then reads the
-committed tokens and counts once.
+The engine owns one ``DecodeState`` of ``num_slots`` rows on the device and a paged KV
+pool shared by all of them (``page_allocator.py`` says which request owns which page).
+Between steps, waiting requests join free slots when the pool has pages for them (their
+sampling tensors written, their prompt prefilled), finished and aborted requests leave
+and return their pages. Before each step every running request is given the pages the
+step may write; when the pool runs out, the newest running request is preempted: its
+pages are freed and it goes back to the front of the queue, to be recomputed from its
+prompt and the tokens it already produced (nothing it streamed is repeated). A step runs
+the executable compiled for the smallest batch bucket that covers every occupied slot;
+the host then reads the committed tokens and counts once.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from tqdm.auto import tqdm
 from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.engine import step as step_lib
 from eagle_jax.engine.config import EngineConfig
-from eagle_jax.engine.types import RequestOutput, SpecDecodeStats, StepEvent, TokenLogprob
+from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator, pages_for
+from eagle_jax.engine.types import (
+    RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
 from eagle_jax.models.decoder import Decoder, load_decoder
-from eagle_jax.models.layers import KVCache
+from eagle_jax.models.layers import KVPages
 from eagle_jax.sampling import SamplingParams, SamplingRows
 
 logger = logging.getLogger("eagle_jax.engine")
@@ -40,6 +47,11 @@ class _Request:
     params: SamplingParams
     arrival: float
     slot: int = -1
+    seq_len: int = 0  # tokens in the KV pool after the collected steps
+    in_flight: int = 0  # steps dispatched for it whose tokens are not collected yet
+    preemptions: int = 0  # also tags in-flight steps: a preempted request's are dropped
+    admitted: int = 0  # admission order (the newest running request is preempted first)
+    seed: int | None = None  # drawn at the first admission, kept across preemptions
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     detok: object = None
@@ -81,6 +93,9 @@ def jit_compile(name: str, fn: Callable, example_args: tuple,
     """The serving ``CompileFn``: one XLA executable, the donated buffers updated in place."""
     del name
     return jax.jit(fn, donate_argnums=donate_argnums).lower(*example_args).compile()
+
+
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.75
 
 
 def _split(module):
@@ -135,11 +150,12 @@ class Engine:
         self.vocab_size = min(self.vocab_size, self.model_config.vocab_size)
         self.model_name = config.served_model_name or os.path.basename(
             os.path.normpath(config.model))
-        self.max_model_len = self._max_model_len()
         self.num_steps = config.num_steps if config.speculative else 0
-        # Room past the context limit for the speculative writes of the last step.
-        self.cache_len = self.max_model_len + self.num_steps + 1
-        self.num_slots = self._num_slots()
+        # Tokens one step may write per request: the verified window (S + 1) or 1.
+        self.step_tokens = self.num_steps + 1
+        self.page_size = config.page_size
+        self.num_slots = config.max_num_seqs
+        self._size_pool()
         # The largest bucket is the slot count, so every occupancy has a bucket.
         self.batch_buckets = tuple(sorted(
             {b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots}))
@@ -147,6 +163,7 @@ class Engine:
             b for b in config.prefill_buckets if b <= self.max_model_len) or (self.max_model_len,)
         self.chunk_len = self.prefill_buckets[-1]  # longer prompts are prefilled in chunks
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.num_steps)
+        self.num_preemptions = 0
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_ids |= set(getattr(self.tokenizer, "eos_token_ids", ()))
@@ -156,15 +173,18 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._slots: list[_Request | None] = [None] * self.num_slots
         self._aborted: set[str] = set()
-        self._in_flight = None  # (StepOutput on device, slot -> request at dispatch)
+        self._num_admitted = 0
+        # (StepOutput on device, slot -> (request, its preemption count) at dispatch)
+        self._in_flight = None
         self._split_models()
         self.state = self._init_state()
         self._compiled: dict = {}
         logger.info(
-            "engine: %s, %s draft, %d slots x %d tokens (KV %.2f GiB), batch buckets %s, "
-            "prefill buckets %s", self.model_name, config.speculative_algorithm,
-            self.num_slots, self.max_model_len, self.kv_bytes / 2**30, self.batch_buckets,
-            self.prefill_buckets)
+            "engine: %s, %s draft, %d slots, max_model_len %d, KV pool %d pages x %d tokens "
+            "(%.2f GiB, %d tokens), batch buckets %s, prefill buckets %s", self.model_name,
+            config.speculative_algorithm, self.num_slots, self.max_model_len,
+            self.num_pages, self.page_size, self.kv_bytes / 2**30,
+            self.num_pages * self.page_size, self.batch_buckets, self.prefill_buckets)
         if config.precompile:
             self.precompile()
 
@@ -176,47 +196,88 @@ class Engine:
 
         return Tokenizer.from_dir(self.config.model)
 
-    def _max_model_len(self) -> int:
+    def _model_limit(self) -> int:
+        """Positions the models know (target and draft max_position_embeddings)."""
         limit = self.model_config.max_position_embeddings
         if self.draft is not None:
             limit = min(limit, self.draft.max_positions)
-        want = self.config.max_model_len or limit
-        if want > limit:
-            raise ValueError(f"max_model_len {want} exceeds the model's limit of {limit} "
-                             "positions (target and draft max_position_embeddings)")
-        return want
+        return limit
 
-    def _bytes_per_slot(self) -> int:
+    def _bytes_per_token(self) -> int:
+        """KV bytes of one position: the target's layers plus the draft's."""
         cfg = self.model_config
-        per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+        per_token = KVPages.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                             self.dtype)
         if self.draft is not None:
-            c = self.draft.init_cache(1, 1)
-            per_token += 2 * c.k.size * c.k.dtype.itemsize
-        return per_token * self.cache_len
+            c = self.draft.config
+            per_token += KVPages.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
+                                                 self.dtype)
+        return per_token
 
-    def _num_slots(self) -> int:
-        per_slot = self._bytes_per_slot()
-        budget = self.config.kv_cache_memory
-        if budget is None and self.config.kv_cache_memory_fraction is not None:
-            stats = jax.devices()[0].memory_stats() or {}
-            limit = stats.get("bytes_limit")
-            if limit is None:
+    def _kv_budget(self) -> int | None:
+        """Bytes for the KV pool: ``kv_cache_memory``, else ``kv_cache_memory_fraction``
+        (default 0.75 on a device that reports its memory) of the free device memory;
+        None on a device that does not (a CPU)."""
+        cfg = self.config
+        if cfg.kv_cache_memory is not None:
+            return cfg.kv_cache_memory
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if limit is None:
+            if cfg.kv_cache_memory_fraction is not None:
                 raise ValueError("kv_cache_memory_fraction needs a device that reports its "
                                  "memory; pass kv_cache_memory (bytes) instead")
-            free = limit - stats.get("bytes_in_use", 0)
-            budget = int(free * self.config.kv_cache_memory_fraction)
-        slots = self.config.max_num_seqs
-        if budget is not None:
-            fit = budget // per_slot
-            if fit < 1:
+            return None
+        fraction = cfg.kv_cache_memory_fraction or DEFAULT_KV_CACHE_MEMORY_FRACTION
+        return int((limit - stats.get("bytes_in_use", 0)) * fraction)
+
+    def _size_pool(self) -> None:
+        """Sets max_model_len, the pool's page count and the page table's width.
+
+        Without a budget (a CPU) the pool holds every slot at max_model_len. A pool that
+        cannot hold one request of the model's full length caps the default
+        max_model_len; an explicit max_model_len it cannot hold is an error.
+        """
+        limit = self._model_limit()
+        want = self.config.max_model_len
+        if want is not None and want > limit:
+            raise ValueError(f"max_model_len {want} exceeds the model's limit of {limit} "
+                             "positions (target and draft max_position_embeddings)")
+        max_model_len = want or limit
+        # A request's pages reach past max_model_len by the step in flight and the step
+        # being dispatched (async scheduling reserves for both).
+        reach = lambda n: n + 2 * self.step_tokens
+        page_bytes = self._bytes_per_token() * self.page_size
+        budget = self._kv_budget()
+        if budget is None:
+            num_pages = self.num_slots * pages_for(reach(max_model_len), self.page_size)
+        else:
+            num_pages = budget // page_bytes
+            fits = num_pages * self.page_size - 2 * self.step_tokens
+            if fits < max_model_len and want is not None:
                 raise ValueError(
-                    f"KV budget of {budget / 2**20:.1f} MiB holds no request of "
-                    f"max_model_len {self.max_model_len} ({per_slot / 2**20:.1f} MiB per slot); "
-                    "raise kv_cache_memory or lower max_model_len")
-            slots = min(slots, int(fit))
-        self.kv_bytes = slots * per_slot
-        return slots
+                    f"a KV budget of {budget / 2**30:.2f} GiB holds {max(fits, 0)} tokens, "
+                    f"fewer than one request of max_model_len {want} "
+                    f"({page_bytes / self.page_size / 2**10:.1f} KiB per token); raise "
+                    "kv_cache_memory / kv_cache_memory_fraction or lower max_model_len")
+            if fits < max_model_len:
+                if fits < 2:
+                    raise ValueError(
+                        f"a KV budget of {budget / 2**20:.1f} MiB holds no request; raise "
+                        "kv_cache_memory / kv_cache_memory_fraction")
+                logger.info("max_model_len %d (the model's limit) does not fit the KV pool "
+                            "of %d tokens: serving max_model_len %d", max_model_len,
+                            num_pages * self.page_size, fits)
+                max_model_len = fits
+        self.max_model_len = max_model_len
+        self.num_pages = int(num_pages)
+        self.kv_bytes = self.num_pages * page_bytes
+        self.max_pages = pages_for(reach(max_model_len), self.page_size)
+        self._pages = PageAllocator(self.num_pages, self.page_size, self.max_pages)
+        # Page-table entries a step may add: each running request grows by at most one
+        # step's tokens, which straddle at most cdiv(step_tokens, page_size) + 1 pages.
+        self._max_page_updates = self.num_slots * (
+            pages_for(self.step_tokens, self.page_size) + 1)
 
     def _split_models(self):
         # Parameters travel to the executables as flat lists: flattening a list per call
@@ -225,17 +286,17 @@ class Engine:
         self._draft_graph, self._draft_params = _split(self.draft)
 
     def _init_state(self) -> step_lib.DecodeState:
-        n, cfg = self.num_slots, self.model_config
-        target_cache = KVCache.zeros(cfg.num_layers, n, self.cache_len, cfg.num_kv_heads,
-                                     cfg.head_dim, self.dtype)
-        draft_cache = draft_hidden = draft_logits = None
+        n = self.num_slots
+        target_pages = self.target.init_pages(self.num_pages, self.page_size, self.dtype)
+        draft_pages = draft_hidden = draft_logits = None
         if self.draft is not None:
-            draft_cache = self.draft.init_cache(n, self.cache_len, self.dtype)
+            draft_pages = self.draft.init_pages(self.num_pages, self.page_size, self.dtype)
             hidden = self.draft.project(jnp.zeros((1, self._feature_width()), self.dtype))
             draft_hidden = jnp.zeros((n, hidden.shape[-1]), self.dtype)
             draft_logits = jnp.zeros((n, self.draft.draft_vocab_size), jnp.float32)
         return step_lib.DecodeState(
-            target_cache=target_cache, draft_cache=draft_cache,
+            target_pages=target_pages, draft_pages=draft_pages,
+            page_table=jnp.zeros((n, self.max_pages), jnp.int32),
             seq_len=jnp.zeros((n,), jnp.int32), last_token=jnp.zeros((n,), jnp.int32),
             draft_hidden=draft_hidden, draft_logits=draft_logits,
             sampling=SamplingRows(*map(jnp.asarray, SamplingRows.padded(n))),
@@ -260,23 +321,24 @@ class Engine:
                                 (2,))
 
     def step_inputs(self) -> tuple:
-        """The arguments of ``step_function``'s function now: (target parameters, draft
-        parameters, state) (e.g. for ``jax.export``)."""
-        return self._target_params, self._draft_params, self.state
+        """Arguments of ``step_function``'s function: (target parameters, draft
+        parameters, state, page updates), the updates empty (e.g. for ``jax.export``)."""
+        return self._target_params, self._draft_params, self.state, self._page_updates([])
 
     def step_function(self, batch: int, with_logprobs: bool = False) -> Callable:
         """The pure step of a batch bucket:
-        ``(target_params, draft_params, state) -> (state, StepOutput)``; the engine
-        compiles it with ``state`` donated."""
+        ``(target_params, draft_params, state, page_updates) -> (state, StepOutput)``;
+        the engine compiles it with ``state`` donated."""
         tg, dg, cfg = self._target_graph, self._draft_graph, self.config
 
-        def run(target_params, draft_params, state):
+        def run(target_params, draft_params, state, page_updates):
             target = _merge(tg, target_params)
             if dg is None:
-                return step_lib.plain_step(target, state, batch=batch, vocab_size=self.vocab_size,
+                return step_lib.plain_step(target, state, page_updates, batch=batch,
+                                           vocab_size=self.vocab_size,
                                            with_logprobs=with_logprobs)
             return step_lib.spec_step(
-                target, _merge(dg, draft_params), state, batch=batch,
+                target, _merge(dg, draft_params), state, page_updates, batch=batch,
                 num_steps=cfg.num_steps,
                 probabilistic=cfg.draft_sample_method == "probabilistic",
                 vocab_size=self.vocab_size, with_logprobs=with_logprobs,
@@ -288,16 +350,19 @@ class Engine:
     def _prefill_fn(self, chunk: int):
         tg, dg = self._target_graph, self._draft_graph
 
-        def run(target_params, draft_params, state, slot, tokens, start, length, nxt, is_last):
+        def run(target_params, draft_params, state, slot, page_row, tokens, start, length, nxt,
+                is_last, sample_next):
             target = _merge(tg, target_params)
             draft = _merge(dg, draft_params)
-            return step_lib.prefill_chunk(target, draft, state, slot, tokens, start, length, nxt,
-                                          is_last, vocab_size=self.vocab_size)
+            return step_lib.prefill_chunk(target, draft, state, slot, page_row, tokens, start,
+                                          length, nxt, is_last, sample_next,
+                                          vocab_size=self.vocab_size)
 
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        flag = jax.ShapeDtypeStruct((), jnp.bool_)
         args = (self._target_params, self._draft_params, self.state, i32,
-                jax.ShapeDtypeStruct((chunk,), jnp.int32), i32, i32, i32,
-                jax.ShapeDtypeStruct((), jnp.bool_))
+                jax.ShapeDtypeStruct((self.max_pages,), jnp.int32),
+                jax.ShapeDtypeStruct((chunk,), jnp.int32), i32, i32, i32, flag, flag)
         return self._executable(("prefill", chunk), run, args, (2,))
 
     def _assign_fn(self):
@@ -365,6 +430,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def scheduler_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=self.num_running(), num_waiting=self.num_waiting(),
+                              kv_cache_usage=self._pages.usage,
+                              num_preemptions=self.num_preemptions)
+
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Admits waiting requests, runs one decode step, returns what each produced.
@@ -406,35 +476,57 @@ class Engine:
             outputs.append(self._output(req, [], []))
 
     def _admit(self, outputs):
+        """Admits waiting requests, oldest first, while a slot is free and the pool has
+        pages for the request's known tokens and its first step (else it waits)."""
         while self._waiting and None in self._slots:
-            req = self._waiting.popleft()
+            req = self._waiting[0]
             slot = self._slots.index(None)
-            req.slot = slot
+            known = len(req.prompt) + max(len(req.output) - 1, 0)
+            if not self._pages.can_reserve(slot, known + self.step_tokens):
+                break
+            self._waiting.popleft()
+            self._pages.reserve(slot, known)
+            self._pages.take_updates(slot)  # the prefill writes the slot's whole row
+            req.slot, req.seq_len, req.in_flight = slot, known, 0
+            req.admitted = self._num_admitted = self._num_admitted + 1
             self._slots[slot] = req
-            seed = req.params.seed if req.params.seed is not None else int(
-                self._rng.integers(0, 2**31 - 1))
+            if req.seed is None:
+                req.seed = req.params.seed if req.params.seed is not None else int(
+                    self._rng.integers(0, 2**31 - 1))
+            # A resumed request draws from a fresh stream, not the one it began with.
+            key = _threefry_key(req.seed + (req.preemptions << 32))
             self.state = self._assign_fn()(self.state, np.int32(slot),
-                                      SamplingRows.from_params(req.params),
-                                      _threefry_key(seed))
+                                           SamplingRows.from_params(req.params), key)
             first = self._prefill(req)
+            if req.output:  # resumed after preemption: its tokens were committed before
+                continue
             req.first_token_time = time.monotonic()
             self._commit(req, [first[0]], [first[1]] if first[1] is not None else None, outputs)
 
     def _prefill(self, req: _Request):
-        prompt, n = req.prompt, len(req.prompt)
+        """Prefills the request's known tokens in chunks: its prompt (the token after it
+        is sampled), or, resumed after a preemption, its prompt and every generated token
+        but the last (which becomes ``last_token``, as it was)."""
+        tokens_known = req.prompt + req.output[:-1]
+        n = len(tokens_known)
+        resumed = bool(req.output)
+        page_row = self._pages.page_row(req.slot)
         start = 0
         out = None
         while start < n:
             length = min(self.chunk_len, n - start)
             chunk = next(b for b in self.prefill_buckets if b >= length)
             tokens = np.zeros((chunk,), np.int32)
-            tokens[:length] = prompt[start:start + length]
+            tokens[:length] = tokens_known[start:start + length]
             is_last = start + length == n
-            nxt = prompt[start + length] if not is_last else 0
+            nxt = (req.output[-1] if resumed else 0) if is_last else tokens_known[start + length]
             self.state, out = self._prefill_fn(chunk)(
-                self._target_params, self._draft_params, self.state, np.int32(req.slot), tokens,
-                np.int32(start), np.int32(length), np.int32(nxt), np.bool_(is_last))
+                self._target_params, self._draft_params, self.state, np.int32(req.slot),
+                page_row, tokens, np.int32(start), np.int32(length), np.int32(nxt),
+                np.bool_(is_last), np.bool_(is_last and not resumed))
             start += length
+        if resumed:
+            return None
         token, lp, top_ids, top_lp = jax.device_get(out)
         logprob = None
         if req.params.logprobs is not None:
@@ -443,25 +535,81 @@ class Engine:
                                                  top_lp[:req.params.logprobs])})
         return int(token), logprob
 
+    def _reserve_step_pages(self, occupied: dict[int, _Request]) -> None:
+        """Gives every running request the pages the next step may write: positions up
+        to its length plus one step's tokens for each step in flight and this one.
+        When the pool runs out, preempts the newest running request and tries again."""
+        for req in sorted(occupied.values(), key=lambda r: r.admitted):
+            while req.slot >= 0:
+                try:
+                    self._pages.reserve(
+                        req.slot, req.seq_len + (req.in_flight + 1) * self.step_tokens)
+                    break
+                except OutOfPages:
+                    newest = max((r for r in self._slots if r is not None),
+                                 key=lambda r: r.admitted)
+                    self._preempt(newest)
+        for slot in [slot for slot, req in occupied.items() if req.slot != slot]:
+            del occupied[slot]
+
+    def _preempt(self, req: _Request) -> None:
+        """Frees the request's pages and slot; it goes back to the front of the queue, to
+        be recomputed from its prompt and generated tokens. Its steps in flight are
+        dropped when collected."""
+        logger.info("KV pool full: preempting request %s (%d tokens)", req.request_id,
+                    req.seq_len)
+        self._pages.free(req.slot)
+        self._slots[req.slot] = None
+        self.state = self._release_fn()(self.state, np.int32(req.slot))
+        req.slot, req.in_flight = -1, 0
+        req.preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(req)
+
+    def _page_updates(self, updates: list[tuple[int, int, int]]) -> np.ndarray:
+        """[U, 3] (slot, index, page) rows for the step; padding rows name slot B_max."""
+        if len(updates) > self._max_page_updates:
+            raise RuntimeError(f"{len(updates)} page-table updates in one step, more than "
+                               f"the {self._max_page_updates} a step carries")
+        rows = np.zeros((self._max_page_updates, 3), np.int32)
+        rows[:, 0] = self.num_slots
+        if updates:
+            rows[:len(updates)] = updates
+        return rows
+
     def _launch(self, occupied: dict[int, _Request]):
         """Dispatches the step of the smallest bucket covering every occupied slot."""
+        self._reserve_step_pages(occupied)
+        if not occupied:
+            return None
         batch = next(b for b in self.batch_buckets if b > max(occupied))
         with_logprobs = any(r.params.logprobs is not None for r in occupied.values())
         fn = self._step_fn(batch, with_logprobs)
-        self.state, out = fn(self._target_params, self._draft_params, self.state)
+        self.state, out = fn(self._target_params, self._draft_params, self.state,
+                             self._page_updates(self._pages.take_updates()))
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
-        return out, occupied
+        for req in occupied.values():
+            req.in_flight += 1
+        return out, {slot: (req, req.preemptions) for slot, req in occupied.items()}
 
-    def _collect(self, out, occupied: dict[int, _Request], outputs):
+    def _collect(self, out, occupied: dict[int, tuple[_Request, int]], outputs):
         """Reads a step's tokens (the one host read of the step) and commits them.
 
-        Returns the host StepOutput and the step's live rows (slot -> request id)."""
+        Returns the host StepOutput and the step's live rows (slot -> request id): the
+        requests neither finished nor preempted since the step was dispatched."""
         out = jax.device_get(out)
-        live = {slot: req for slot, req in occupied.items() if not req.finished}
+        live = {}
+        for slot, (req, preemptions) in occupied.items():
+            if req.preemptions != preemptions:
+                continue  # preempted after dispatch: recomputed on readmission
+            req.in_flight -= 1
+            if not req.finished:
+                live[slot] = req
         self._count_step(out, live)
         for slot, req in live.items():
             n = int(out.num_tokens[slot])
+            req.seq_len += n
             toks = [int(t) for t in out.tokens[slot, :n]]
             lps = None
             if req.params.logprobs is not None:
@@ -567,6 +715,7 @@ class Engine:
         req.stop_reason = stop_reason
         if req.slot >= 0:
             self._slots[req.slot] = None
+            self._pages.free(req.slot)
             self.state = self._release_fn()(self.state, np.int32(req.slot))
         self._requests.pop(req.request_id, None)
 
@@ -602,14 +751,13 @@ class Engine:
         return out
 
     def _score_fn(self, bucket: int):
-        tg, cfg, vocab = self._target_graph, self.model_config, self.vocab_size
+        tg, vocab = self._target_graph, self.vocab_size
 
         def score(params, tokens):
-            # tokens: [1, bucket] zero-padded; row j scores token j + 1.
+            # tokens: [1, bucket] zero-padded; row j scores token j + 1. No KV pool: the
+            # prompt attends causally to itself.
             target = _merge(tg, params)
-            cache = KVCache.zeros(cfg.num_layers, 1, bucket, cfg.num_kv_heads, cfg.head_dim,
-                                  self.dtype)
-            logits = target(tokens, jnp.arange(bucket)[None], cache).logits
+            logits = target(tokens, jnp.arange(bucket)[None], None).logits
             return step_lib.token_logprobs(logits, jnp.roll(tokens, -1, axis=1), vocab)
 
         return self._executable(("score", bucket), score, (

@@ -5,12 +5,17 @@ the requests, picks a bucket, and calls the compiled executables; nothing in thi
 module reads a device value back to the host.
 
 State layout (one row per slot, ``B_max`` rows; a step for bucket B works on rows
-[0, B)): ``seq_len[b]`` tokens of request b are in the target KV cache (positions
-0 .. seq_len-1); ``last_token[b]`` is the newest committed token, at position seq_len,
-not yet in the cache. The draft has consumed every committed token: its cache holds
-positions 0 .. seq_len-1 (row j took token j+1 with the target's feature of position j),
-``draft_hidden[b]`` is its output at the last of those rows and ``draft_logits[b]`` the
-LM-head projection of that row, from which the next step's first draft token comes.
+[0, B)): ``seq_len[b]`` tokens of request b are in the target's KV pool (positions
+0 .. seq_len-1, in the pages ``page_table[b]`` lists); ``last_token[b]`` is the newest
+committed token, at position seq_len, not yet in the pool. The draft has consumed every
+committed token: its pool holds positions 0 .. seq_len-1 in the same pages (row j took
+token j+1 with the target's feature of position j), ``draft_hidden[b]`` is its output at
+the last of those rows and ``draft_logits[b]`` the LM-head projection of that row, from
+which the next step's first draft token comes.
+
+The host's page allocator gives pages out between steps; each step and prefill first
+applies the page-table entries the host assigned since the last one (``page_updates``),
+so the table never travels whole.
 """
 
 from __future__ import annotations
@@ -24,20 +29,21 @@ from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
 from eagle_jax.kernels.spec_sampler import speculative_sample
 from eagle_jax.models.draft_ops import draft_decode_step, draft_extend
-from eagle_jax.models.layers import KVCache
+from eagle_jax.models.layers import KVCache, KVPages
 from eagle_jax.sampling import MAX_LOGPROBS, SamplingRows
 
 Array = jax.Array
 
-# Position given to padding tokens: past any cache, so their KV writes are dropped.
+# Position given to padding tokens: past any page table, so their KV writes are dropped.
 PAD_POSITION = 1 << 30
 
 
 class DecodeState(NamedTuple):
     """Per-slot device buffers. Shapes: [B_max] unless noted; H = draft hidden size."""
 
-    target_cache: KVCache  # [L, B_max, max_len, K, D]
-    draft_cache: KVCache | None  # [1, B_max, max_len, K_d, D_d]
+    target_pages: KVPages  # per layer [P, page_size, K, D]
+    draft_pages: KVPages | None  # the draft's pool, the same P pages
+    page_table: Array  # [B_max, max_pages] i32
     seq_len: Array  # i32
     last_token: Array  # i32
     draft_hidden: Array | None  # [B_max, H]
@@ -94,6 +100,18 @@ def _draft_argmax(logits: Array, d2t: Array | None, vocab_size: int | None) -> A
     return tok if d2t is None else tok + d2t[tok]
 
 
+def apply_page_updates(state: DecodeState, updates: Array) -> DecodeState:
+    """updates [U, 3] i32 rows (slot, index, page); a slot >= B_max (padding) is dropped."""
+    table = state.page_table.at[updates[:, 0], updates[:, 1]].set(updates[:, 2], mode="drop")
+    return state._replace(page_table=table)
+
+
+def _caches(target, draft, state: DecodeState, page_table: Array):
+    """The target's and the draft's KVCache over the rows of ``page_table``."""
+    draft_cache = None if draft is None else KVCache(state.draft_pages, page_table)
+    return KVCache(state.target_pages, page_table), draft_cache
+
+
 def _rows(state: DecodeState, batch: int):
     return (state.seq_len[:batch], state.last_token[:batch], state.sampling.rows(batch),
             state.key[:batch], state.active[:batch])
@@ -103,20 +121,22 @@ def _write_rows(x: Array, batch: int, new: Array) -> Array:
     return x.at[:batch].set(new.astype(x.dtype))
 
 
-def plain_step(target, state: DecodeState, *, batch: int, vocab_size: int,
-               with_logprobs: bool) -> tuple[DecodeState, StepOutput]:
+def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
+               vocab_size: int, with_logprobs: bool) -> tuple[DecodeState, StepOutput]:
     """One token per request from the target alone (the non-speculative baseline)."""
+    state = apply_page_updates(state, page_updates)
     seq_len, last, rows, keys, active = _rows(state, batch)
     keys, sub = _split_keys(keys, 1)
     positions = jnp.where(active, seq_len, PAD_POSITION)[:, None]
-    out = target(last[:, None], positions, state.target_cache)
+    target_cache, _ = _caches(target, None, state, state.page_table[:batch])
+    out = target(last[:, None], positions, target_cache)
     logits = out.logits[:, 0]
     probs = sampling_probs(logits, rows, vocab_size)
     token = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])
     token = jnp.where(active, token, -1)
     n = active.astype(jnp.int32)
     state = state._replace(
-        target_cache=out.cache,
+        target_pages=out.cache.pages,
         seq_len=_write_rows(state.seq_len, batch, seq_len + n),
         last_token=_write_rows(state.last_token, batch, jnp.where(active, token, last)),
         key=_write_rows(state.key, batch, keys),
@@ -127,7 +147,8 @@ def plain_step(target, state: DecodeState, *, batch: int, vocab_size: int,
     return state, StepOutput(token[:, None], n, zeros, zeros, zeros, *lp)
 
 
-def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
+def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: int,
+              num_steps: int,
               probabilistic: bool, vocab_size: int, with_logprobs: bool,
               draft_probs_hook: Callable[[Array], Array] | None = None,
               synthetic_acceptance: float | None = None,
@@ -141,7 +162,9 @@ def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
     target's argmax at the first rejected position.
     """
     S = num_steps
+    state = apply_page_updates(state, page_updates)
     seq_len, last, rows, keys, active = _rows(state, batch)
+    target_cache, draft_cache = _caches(target, draft, state, state.page_table[:batch])
     keys, sub = _split_keys(keys, 3)
     u_propose = _uniforms(sub[:, 0], S)
     u_accept = _uniforms(sub[:, 1], S + 1)
@@ -154,7 +177,6 @@ def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
     draft_vocab = None if draft.d2t is not None else vocab_size
 
     # 1. Propose: S tokens, one draft forward per token after the first.
-    draft_cache = state.draft_cache
     hidden = state.draft_hidden[:batch]
     logits = state.draft_logits[:batch]
     tokens, qs, qs_ok = [], [], []
@@ -184,8 +206,7 @@ def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
     window = jnp.arange(S + 1)
     verify_tokens = jnp.concatenate([last[:, None], draft_tokens], axis=1)
     verify_pos = jnp.where(active[:, None], seq_len[:, None] + window, PAD_POSITION)
-    out = target(verify_tokens, verify_pos, state.target_cache,
-                 aux_layers=draft.feature_layers or ())
+    out = target(verify_tokens, verify_pos, target_cache, aux_layers=draft.feature_layers or ())
     features = out.aux_hidden if draft.feature_layers else out.hidden
 
     # 3. Accept (Pallas sampler).
@@ -209,8 +230,8 @@ def spec_step(target, draft, state: DecodeState, *, batch: int, num_steps: int,
     n = jnp.where(active, accept + 1, 0)
     keep = active[:, None]
     state = state._replace(
-        target_cache=out.cache,
-        draft_cache=ext.cache,
+        target_pages=out.cache.pages,
+        draft_pages=ext.cache.pages,
         seq_len=_write_rows(state.seq_len, batch, seq_len + n),
         last_token=_write_rows(state.last_token, batch, jnp.where(active, emitted, last)),
         draft_hidden=_write_rows(state.draft_hidden, batch,
@@ -241,47 +262,52 @@ def _synthetic_verdict(res, draft_tokens: Array, target_logits: Array, u: Array,
                         num_tokens=jnp.where(active, accept + 1, 0))
 
 
-def prefill_chunk(target, draft, state: DecodeState, slot: Array, tokens: Array, start: Array,
-                  length: Array, next_token: Array, is_last: Array, *, vocab_size: int
+def prefill_chunk(target, draft, state: DecodeState, slot: Array, page_row: Array,
+                  tokens: Array, start: Array, length: Array, next_token: Array,
+                  is_last: Array, sample_next: Array, *, vocab_size: int
                   ) -> tuple[DecodeState, PrefillOutput]:
-    """Prefill one chunk of one request's prompt into cache row ``slot``.
+    """Prefill one chunk of one request's known tokens into the pages of ``slot``.
 
-    tokens: [C] (padded past ``length``), covering prompt positions start .. start+length-1;
-    next_token: the prompt token after this chunk (unused on the last chunk). On the last
-    chunk the first generated token is sampled with the slot's sampling parameters, and
-    the draft (a different model class: 003) runs its own prefill extend over the chunk
-    with the tokens shifted by one.
+    page_row: [max_pages] the slot's page table row (the host reserved every page of the
+    known tokens); tokens: [C] (padded past ``length``) at positions start ..
+    start+length-1; next_token: the known token after the chunk (the next prompt token,
+    or a resumed request's last generated token); sample_next: the chunk ends a new
+    request's prompt, so the token after it is sampled (the first generated token)
+    instead. On the last chunk the slot becomes active with that token as
+    ``last_token``; the draft (a different model class: 003) runs its own extend over
+    the chunk, the tokens shifted by one.
     """
     c = tokens.shape[0]
     idx = jnp.arange(c)
     valid = idx < length
     positions = jnp.where(valid, start + idx, PAD_POSITION)[None]
-    slots = slot[None]
+    state = state._replace(page_table=state.page_table.at[slot].set(page_row))
+    target_cache, draft_cache = _caches(target, draft, state, page_row[None])
     last_row = length - 1
-    out = target(tokens[None], positions, state.target_cache, logit_rows=last_row[None, None],
-                 aux_layers=(draft.feature_layers or ()) if draft is not None else (),
-                 slots=slots)
+    out = target(tokens[None], positions, target_cache, logit_rows=last_row[None, None],
+                 aux_layers=(draft.feature_layers or ()) if draft is not None else ())
     logits = out.logits[:, 0]  # [1, V]
     key, sub = _split_keys(state.key[slot][None], 1)
     rows = SamplingRows(*(x[slot][None] for x in state.sampling))
     probs = sampling_probs(logits, rows, vocab_size)
     first = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])[0]
+    following = jnp.where(sample_next, first, next_token)
     lp, top_ids, top_lp = token_logprobs(logits, first[None], vocab_size)
     total = start + length
     updates = dict(
-        target_cache=out.cache,
+        target_pages=out.cache.pages,
         seq_len=state.seq_len.at[slot].set(jnp.where(is_last, total, state.seq_len[slot])),
-        last_token=state.last_token.at[slot].set(jnp.where(is_last, first, state.last_token[slot])),
+        last_token=state.last_token.at[slot].set(
+            jnp.where(is_last, following, state.last_token[slot])),
         key=state.key.at[slot].set(jnp.where(is_last, key[0], state.key[slot])),
         active=state.active.at[slot].set(state.active[slot] | is_last),
     )
     if draft is not None:
-        following = jnp.where(is_last, first, next_token)
         features = out.aux_hidden if draft.feature_layers else out.hidden
         ext = draft_extend(draft, tokens[None], following[None], length[None], features,
-                           positions, state.draft_cache, slots)
+                           positions, draft_cache)
         updates.update(
-            draft_cache=ext.cache,
+            draft_pages=ext.cache.pages,
             draft_hidden=state.draft_hidden.at[slot].set(ext.hidden[0].astype(
                 state.draft_hidden.dtype)),
             draft_logits=state.draft_logits.at[slot].set(ext.logits[0]),

@@ -84,6 +84,17 @@ class SpecDecodeStats:
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
 
 
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's state now (vLLM's gauge names: num_requests_running / waiting,
+    kv_cache_usage_perc, num_preemptions_total)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of the KV pool's pages owned by requests
+    num_preemptions: int  # cumulative
+
+
 class StepEvent(NamedTuple):
     """What one ``Engine.step()`` did, for step listeners (``Engine.add_step_listener``).
 

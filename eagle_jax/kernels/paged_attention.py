@@ -77,9 +77,9 @@ _LOG2E = 1.4426950408889634
 # Floor of the running max: finite, so exp2(m_old - m_new) and exp2(-inf - m) stay
 # well defined (1 and 0) while a row has seen no visible key yet.
 _M_FLOOR = -1e30
-# Programs kernel 1 aims for (about 8 per SM of an H200, 3 per CU of an MI300X): below
-# this, long sequences are split.
-_TARGET_PROGRAMS = 1024
+# Programs kernel 1 aims for (about 4 per SM of an H200, 2 per CU of an MI300X): below
+# this, long sequences are split (see _block_sizes for the measurements).
+_TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
 _MAX_HEAD_DIM = 256
 
@@ -214,17 +214,21 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_
   SM), 156 VGPRs and 32 KiB of LDS on gfx950, without spills. Gathered K/V tiles keep
   a pointer per element, so wider query tiles cost registers: at BLOCK_Q = 32, 4 warps
   take 175 registers on sm_90 and 256 VGPRs on gfx942 (occupancy 1-2), 8 warps 128 and
-  190; hence 4 warps for BLOCK_Q = 16 and 8 from 32 up. 2 stages (the benchmark sweeps
-  BLOCK_N, warps, stages and splits on the device).
+  190. Yet on an H200 (2026-11-30, scripts/bench_attention.py --sweep) the S + 1 = 6
+  verify tile (BLOCK_Q = 32) ran in 0.357 ms at 4 warps against 0.484 ms at 8 (B = 64,
+  4096 keys each): 4 warps up to BLOCK_Q = 32, 8 for 64. 2 stages (1: 26% slower; 3:
+  no gain).
 
   MIN_SPLIT = max(256, 16 * T * G) keys, a power of two: a split's partials cost
   ~8 * T * G * D bytes (float32 write + read) against >= MIN_SPLIT * 2 * D * itemsize
   bytes of K/V, so with MIN_SPLIT >= 16 * T * G they stay below 1/8 of the live KV bytes
   (a prefill chunk, T * G in the thousands, effectively never splits).
-  num_splits = the power of two that brings B * K * query tiles up to ~1024 programs,
-  but no more than the page table's capacity / MIN_SPLIT and 64: decode at B = 1 over a
-  32k table gets 64 splits (512 programs of 512 keys), B = 64 decode with K = 8 gets 2,
-  B >= 128 none. The per-sequence split length then keeps short sequences on one split.
+  num_splits = the power of two that brings B * K * query tiles up to ~512 programs, but
+  no more than the page table's capacity / MIN_SPLIT and 64: decode at B = 1 over a 32k
+  table gets 64 splits (512 programs of 512 keys), B = 64 decode with K = 8 none. On the
+  H200, B = 64 decode over 4096 keys ran at 95% of copy bandwidth without splits
+  (0.279 ms) and 0.306 ms with 2; B = 1 over 32768 keys took 0.068 ms with 64 or 128
+  splits alike. The per-sequence split length keeps short sequences on one split.
   """
   rows = q_tokens * group
   block_d = max(16, _common.next_power_of_2(head_dim))
@@ -239,7 +243,7 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_
     by_capacity = max(1, capacity // ms)
     by_capacity = 1 << (by_capacity.bit_length() - 1)  # power of two at most that
     num_splits = max(1, min(want, by_capacity, _MAX_SPLITS))
-  warps = num_warps or (4 if bq <= 16 else 8)
+  warps = num_warps or (4 if bq <= 32 else 8)
   stages = num_stages or 2
   for name, v in (("block_q", bq), ("block_n", bn)):
     if v < 16 or v & (v - 1):

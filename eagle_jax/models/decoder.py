@@ -1,10 +1,11 @@
 """The target model: one decoder for Llama 2/3/3.1/3.2, Qwen2 and Qwen3.
 
-A single forward serves prefill (a padded prompt bucket), single-token decode and the
+A single forward serves prefill (a padded prompt chunk), single-token decode and the
 multi-token verify of speculative decoding: the caller passes tokens with their
-absolute positions, and the layers write keys/values into the static cache at those
-positions (see ``layers.py``). Padding tokens carry a position >= max_len so their
-cache writes are dropped.
+absolute positions and a paged ``KVCache``, and the layers write keys/values into the
+pool at those positions (see ``layers.py``). Padding tokens carry a position past the
+page table's capacity, so their writes are dropped. Without a cache (training,
+scoring) the forward is plain causal attention over the tokens given.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.models.layers import (
     MLP,
     Attention,
+    AttentionBatch,
     Embedding,
     KVCache,
+    KVPages,
     Linear,
     RMSNorm,
     rope_inv_freq,
@@ -36,12 +39,12 @@ class DecoderOutput(NamedTuple):
     """logits: [B, R, V] f32 for the requested rows (R = T when no rows are given);
     hidden: [B, T, H] final-norm hidden states (EAGLE-1 features);
     aux_hidden: [B, T, len(aux_layers) * H] inputs of the requested layers (EAGLE-3);
-    cache: the updated KV cache."""
+    cache: the updated KV cache (None without one)."""
 
     logits: Array | None
     hidden: Array
     aux_hidden: Array | None
-    cache: KVCache
+    cache: KVCache | None
 
 
 class DecoderLayer(nnx.Module):
@@ -54,9 +57,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, cache: KVCache, layer: int, inv_freq, slots=None):
+    def __call__(self, x, positions, cache: KVCache | None, layer: int, inv_freq,
+                 batch: AttentionBatch | None):
         attn, cache = self.self_attn(self.input_layernorm(x), positions, cache, layer, inv_freq,
-                                     slots)
+                                     batch)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
@@ -89,29 +93,41 @@ class Decoder(nnx.Module):
         return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w,
                           preferred_element_type=jnp.float32)
 
+    def init_pages(self, num_pages: int, page_size: int, dtype=None) -> KVPages:
+        """The target's KV pool (every layer), zeroed."""
+        cfg = self.config
+        return KVPages.zeros(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
+                             cfg.head_dim, dtype or self.embed_tokens.weight.dtype)
+
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """A stand-alone paged cache of ``batch`` rows of ``max_len`` positions each."""
         cfg = self.config
         dtype = dtype or self.embed_tokens.weight.dtype
-        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+        return KVCache.contiguous(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
+                                  cfg.head_dim, dtype)
 
-    def __call__(self, tokens: Array, positions: Array, cache: KVCache, *,
+    def __call__(self, tokens: Array, positions: Array, cache: KVCache | None, *,
                  logit_rows: Array | None = None, aux_layers: Sequence[int] = (),
-                 compute_logits: bool = True, slots: Array | None = None) -> DecoderOutput:
+                 compute_logits: bool = True) -> DecoderOutput:
         """tokens, positions: [B, T] int32; logit_rows: [B, R] indices into T or None;
-        slots: [B] cache rows the batch rows use (None: the first B rows).
+        cache: the pool and the batch rows' page tables, or None (causal attention over
+        the tokens given, no cache: training, scoring).
 
-        Positions >= the cache length mark padding: their KV writes are dropped.
+        With a cache, each row's valid tokens are a prefix of its T at consecutive
+        positions ending the sequence; padding positions (>= the page table's
+        capacity) are dropped.
         """
         cfg = self.config
         if any(not 0 <= i < cfg.num_layers for i in aux_layers):
             raise ValueError(f"aux_layers {tuple(aux_layers)} outside [0, {cfg.num_layers})")
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         x = self.embed_tokens(tokens)
+        batch = None if cache is None else cache.attention_batch(positions)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 captured[i] = x
-            x, cache = layer(x, positions, cache, i, inv_freq, slots)
+            x, cache = layer(x, positions, cache, i, inv_freq, batch)
         hidden = self.norm(x)
         logits = None
         if compute_logits:

@@ -50,7 +50,9 @@ from eagle_jax.models.layers import (
     MLP,
     Attention,
     Embedding,
+    AttentionBatch,
     KVCache,
+    KVPages,
     Linear,
     RMSNorm,
     rms_norm,
@@ -110,9 +112,9 @@ def _flat_rows(hidden_out: Array, rows: Array) -> tuple[Array, Array]:
 Attend = Callable[[int, Attention, Array, Any], tuple[Array, Any]]
 
 
-def _cache_attend(positions: Array, inv_freq: Array, slots: Array | None = None) -> Attend:
+def _cache_attend(positions: Array, inv_freq: Array, batch: AttentionBatch) -> Attend:
     def attend(i, attn, x, cache):
-        return attn(x, positions, cache, i, inv_freq, slots)
+        return attn(x, positions, cache, i, inv_freq, batch)
     return attend
 
 
@@ -152,17 +154,25 @@ class _DraftBase(nnx.Module):
         w = self.embed_weight
         return jnp.take(w, jnp.clip(tokens, 0, w.shape[0] - 1), axis=0).astype(self.dtype)
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """The draft's own static cache, k/v: [num_layers, batch, max_len, K, D]."""
+    def init_pages(self, num_pages: int, page_size: int, dtype=None) -> KVPages:
+        """The draft's own KV pool (its layers, its heads), zeroed."""
         c = self.config
-        return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
+        return KVPages.zeros(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim,
                              dtype or self.dtype)
 
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """A stand-alone paged cache of ``batch`` rows of ``max_len`` positions each."""
+        c = self.config
+        return KVCache.contiguous(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
+                                  dtype or self.dtype)
+
     def __call__(self, tokens: Array, hidden: Array, positions: Array,
-                 cache: KVCache, slots: Array | None = None) -> tuple[Array, KVCache]:
-        """tokens [B, T] i32, hidden [B, T, H] (already projected), positions [B, T],
-        slots [B] cache rows (None: the first B rows) -> (hidden_out [B, T, H], cache)."""
-        return self.forward(tokens, hidden, _cache_attend(positions, self.inv_freq, slots), cache)
+                 cache: KVCache) -> tuple[Array, KVCache]:
+        """tokens [B, T] i32, hidden [B, T, H] (already projected), positions [B, T] (each
+        row's valid tokens a prefix at consecutive positions; padding past the page
+        table's capacity) -> (hidden_out [B, T, H], cache)."""
+        attend = _cache_attend(positions, self.inv_freq, cache.attention_batch(positions))
+        return self.forward(tokens, hidden, attend, cache)
 
     def forward(self, tokens: Array, hidden: Array, attend: Attend, carry: Any):
         raise NotImplementedError

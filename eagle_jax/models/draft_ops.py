@@ -13,7 +13,8 @@ window. Only the window's last row goes through the LM head (seed 000): [B, Vd]
 logits, never [B, T, Vd].
 
 Every function returns new arrays; the cache is threaded functionally (donate it).
-Padding rows carry a position >= the cache length (their KV writes are dropped).
+Padding rows carry a position past the page table's capacity (their KV writes are
+dropped); each row's valid tokens are a prefix of its window.
 """
 
 from __future__ import annotations
@@ -55,19 +56,18 @@ def shift_tokens(tokens: Array, lengths: Array, next_token: Array) -> Array:
 
 
 def draft_extend(draft: Draft, tokens: Array, next_token: Array, lengths: Array,
-                 features: Array, positions: Array, cache: KVCache,
-                 slots: Array | None = None) -> DraftOutput:
+                 features: Array, positions: Array, cache: KVCache) -> DraftOutput:
     """Runs the draft over windows of committed tokens, projecting only each last row.
 
     tokens [B, T] i32: the committed tokens as the target saw them (row j at position
     ``positions[b, j]``), valid for j < lengths[b] (>= 1); next_token [B]: the committed
     token after each window; features [B, T, F]: the target's raw features at those
-    positions (``draft.project`` is applied here); positions [B, T] (padding >= the cache
-    length); slots [B]: the cache rows the requests own (None: rows 0..B-1).
+    positions (``draft.project`` is applied here); positions [B, T] (padding past the page
+    table's capacity); cache: the draft's pool and the rows' page tables.
     The logits are those of row lengths - 1, predicting the token after ``next_token``.
     """
     shifted = shift_tokens(tokens, lengths, next_token)
-    hidden_all, cache = draft(shifted, draft.project(features), positions, cache, slots)
+    hidden_all, cache = draft(shifted, draft.project(features), positions, cache)
     rows = lengths.astype(jnp.int32) - 1
     logits = draft.select_logits(hidden_all, rows)
     idx = jnp.clip(rows, 0, tokens.shape[1] - 1)
@@ -76,9 +76,9 @@ def draft_extend(draft: Draft, tokens: Array, next_token: Array, lengths: Array,
 
 
 def draft_decode_step(draft: Draft, token: Array, hidden: Array, position: Array,
-                      cache: KVCache, slots: Array | None = None) -> tuple[Array, Array, KVCache]:
+                      cache: KVCache) -> tuple[Array, Array, KVCache]:
     """One draft step per request: token [B], hidden [B, H] (the previous ``hidden_out``),
-    position [B] (, slots [B]) -> (logits [B, Vd] f32, hidden_out [B, H], cache)."""
-    out, cache = draft(token[:, None], hidden[:, None], position[:, None], cache, slots)
+    position [B] -> (logits [B, Vd] f32, hidden_out [B, H], cache)."""
+    out, cache = draft(token[:, None], hidden[:, None], position[:, None], cache)
     logits = draft.select_logits(out, jnp.zeros(token.shape, jnp.int32))
     return logits, out[:, 0], cache

@@ -4,11 +4,12 @@ Weights keep the Hugging Face layout (``[out_features, in_features]`` for projec
 ``[V, H]`` for embeddings), so a checkpoint tensor maps onto a parameter without a
 transpose and the module tree reads like the checkpoint's names.
 
-Attention works on a static KV cache: every call writes the new tokens' keys and values
-at their absolute positions and attends over the whole pre-sized cache with the mask
-``key_position <= query_position``. Prefill, single-token decode and the multi-token
-verify forward are therefore the same code; entries past a request's length are stale
-but always masked, and the next write overwrites them.
+Attention works on a paged KV pool (``KVCache``): every cached call writes the new
+tokens' keys and values at their positions' pool rows (through the row's page table)
+and attends with the paged attention kernel over the row's live pages only. Prefill
+chunks, single-token decode and the multi-token verify forward are the same code; a
+padding token carries a position past the page table's capacity, so its write is
+dropped. Without a cache (training, scoring) a block attends causally to itself.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.config import RopeScaling
+from eagle_jax.kernels.paged_attention import paged_attention
 
 Array = jax.Array
 
@@ -44,6 +46,34 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+class FusedLinear(nnx.Module):
+    """Several projections of one input as one GEMM: x @ concat(W_1 .. W_n).T, split back.
+
+    ``parts`` = ((checkpoint module name, rows), ...). The weight [sum rows, in] (and
+    bias) carry them as ``checkpoint_parts`` metadata: the checkpoint reader concatenates
+    the separate Hugging Face tensors on load, the writer splits them on save
+    (``eagle_jax.checkpoint``), so checkpoints keep their names.
+    """
+
+    def __init__(self, in_features: int, parts: tuple[tuple[str, int], ...], *,
+                 bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+        out = sum(rows for _, rows in parts)
+        self.sizes = tuple(rows for _, rows in parts)
+        self.weight = nnx.Param(_normal(rngs, (out, in_features), dtype)[...],
+                                checkpoint_parts=parts)
+        self.bias = (nnx.Param(jnp.zeros((out,), dtype), checkpoint_parts=parts)
+                     if bias else None)
+
+    def __call__(self, x: Array) -> tuple[Array, ...]:
+        """x: [..., in] -> one [..., rows_i] per part, in x's dtype."""
+        w = self.weight[...]
+        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        bounds = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes) - 1)]
+        return tuple(jnp.split(y, bounds, axis=-1))
 
 
 class Embedding(nnx.Module):
@@ -105,69 +135,117 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     return out.astype(x.dtype)
 
 
-class KVCache(NamedTuple):
-    """Static KV cache of a stack of layers. k, v: [L, B, max_len, K, D].
+class KVPages(NamedTuple):
+    """One model's paged KV pool: per layer, k and v of shape [num_pages, page_size, K, D].
 
-    Layers write into the stacked arrays in place (``.at[layer, ...]``), so a donated
-    cache is updated without copies.
+    One array per layer (not one stacked [L, ...] array): a layer's pool is passed to the
+    attention kernel whole, never sliced (no copy), and no element offset inside one
+    array reaches 2**31 at any realistic pool size.
     """
 
-    k: Array
-    v: Array
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
 
     @classmethod
-    def zeros(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
-              head_dim: int, dtype) -> "KVCache":
-        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    def zeros(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+              head_dim: int, dtype) -> "KVPages":
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        return cls(tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
     @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    def write(self, layer: int, k: Array, v: Array, slots: Array) -> "KVPages":
+        """k, v [B, T, K, D] of ``layer`` into pool rows ``slots`` [B, T] (rows of the pool
+        viewed as [num_pages * page_size, K, D]); a slot past the pool (padding) is
+        dropped."""
+        rows = self.num_pages * self.page_size
+
+        def put(pool, new):
+            flat = pool.reshape(rows, *pool.shape[2:])
+            flat = flat.at[slots.reshape(-1)].set(
+                new.reshape(-1, *new.shape[2:]).astype(pool.dtype), mode="drop")
+            return flat.reshape(pool.shape)
+
+        replace = lambda pools, new: pools[:layer] + (put(pools[layer], new),) + pools[layer + 1:]
+        return KVPages(replace(self.k, k), replace(self.v, v))
 
 
-def write_kv(cache: KVCache, layer: int, k: Array, v: Array, positions: Array,
-             slots: Array | None = None) -> KVCache:
-    """Writes k, v [B, T, K, D] of ``layer`` at positions [B, T].
+class AttentionBatch(NamedTuple):
+    """Where a forward's tokens go in the pool, computed once per forward (all layers).
 
-    Batch row b goes to cache row ``slots[b]`` (default: row b, so a cache with more
-    rows than the batch serves the batch from its first rows). Positions >= max_len
-    (padding) are dropped.
+    Row b's valid tokens are a prefix of its T tokens at consecutive positions ending
+    the sequence (decode: 1 token, verify: S + 1, a prefill chunk, a draft window), the
+    layout the paged attention kernel takes: query t sits at kv_len - q_len + t.
     """
-    rows = jnp.arange(k.shape[0]) if slots is None else slots
-    b = jnp.broadcast_to(rows[:, None], positions.shape)
-    kc = cache.k.at[layer, b, positions].set(k.astype(cache.k.dtype), mode="drop")
-    vc = cache.v.at[layer, b, positions].set(v.astype(cache.v.dtype), mode="drop")
-    return KVCache(kc, vc)
+
+    slots: Array  # [B, T] i32 pool row of each token; num_pages * page_size = padding
+    kv_len: Array  # [B] i32 live keys, the new tokens included
+    q_len: Array  # [B] i32 valid tokens
 
 
-def cached_attention(q: Array, cache: KVCache, layer: int, positions: Array,
-                     slots: Array | None = None) -> Array:
-    """Causal attention of new queries over one layer of the whole static cache.
+class KVCache(NamedTuple):
+    """What a cached forward reads and writes: a pool and each batch row's page table.
 
-    q: [B, T, N, D]; cache k/v: [L, B_cache, S, K, D] with B_cache >= B; positions:
-    [B, T] absolute query positions; slots: [B] cache rows (default: the first B).
-    A key at position j is visible to a query at position p iff j <= p.
-    Returns [B, T, N, D] in q's dtype.
+    Position j of row b lives at pool row ``page_table[b, j // page_size] * page_size +
+    j % page_size``. A position >= ``capacity`` (max_pages * page_size) marks padding:
+    its KV write is dropped and it attends to nothing that counts.
+    """
+
+    pages: KVPages
+    page_table: Array  # [B, max_pages] i32
+
+    @classmethod
+    def contiguous(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
+                   head_dim: int, dtype, page_size: int = 16) -> "KVCache":
+        """A zeroed pool where row b owns pages b * n .. b * n + n - 1 (n pages of
+        ``max_len``): a stand-alone cache for one forward (tests, scoring)."""
+        n = -(-max_len // page_size)
+        pages = KVPages.zeros(num_layers, batch * n, page_size, num_kv_heads, head_dim, dtype)
+        return cls(pages, jnp.arange(batch * n, dtype=jnp.int32).reshape(batch, n))
+
+    @property
+    def capacity(self) -> int:
+        """Positions one row's page table can address."""
+        return self.page_table.shape[1] * self.pages.page_size
+
+    def attention_batch(self, positions: Array) -> AttentionBatch:
+        """positions [B, T] (padding >= capacity) -> the pool rows and lengths."""
+        ps = self.pages.page_size
+        valid = (positions >= 0) & (positions < self.capacity)
+        pos = jnp.where(valid, positions, 0)
+        page = jnp.take_along_axis(self.page_table, pos // ps, axis=1)
+        slots = jnp.where(valid, page * ps + pos % ps, self.pages.num_pages * ps)
+        q_len = jnp.sum(valid, axis=1).astype(jnp.int32)
+        kv_len = jnp.where(q_len > 0, jnp.max(jnp.where(valid, pos, -1), axis=1) + 1, 0)
+        return AttentionBatch(slots.astype(jnp.int32), kv_len.astype(jnp.int32), q_len)
+
+
+def causal_attention(q: Array, k: Array, v: Array) -> Array:
+    """Causal self-attention of a block with no cache (training, scoring).
+
+    q [B, T, N, D]; k, v [B, T, K, D] (GQA, N % K == 0); row t sees rows <= t.
+    Returns [B, T, N, D] in q's dtype. Differentiable (the paged kernel is not).
     """
     bsz, t, n, d = q.shape
-    if slots is None:
-        keys, values = cache.k[layer, :bsz], cache.v[layer, :bsz]
-    else:
-        keys, values = cache.k[layer][slots], cache.v[layer][slots]
-    kv_heads = keys.shape[2]
+    kv_heads = k.shape[2]
     qg = q.reshape(bsz, t, kv_heads, n // kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(d))
-    key_pos = jnp.arange(keys.shape[1])
-    visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    scores = jnp.where(causal, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(bsz, t, n, d).astype(q.dtype)
 
 
@@ -175,52 +253,67 @@ class Attention(nnx.Module):
     """Multi-head attention with GQA, optional q/k/v bias (Qwen2) and q/k norm (Qwen3).
 
     ``in_features`` differs from the output width for EAGLE-3's first draft layer, whose
-    input is concat(norm(embeds), norm(hidden)) of width 2H.
+    input is concat(norm(embeds), norm(hidden)) of width 2H. q, k and v are one GEMM
+    (``qkv_proj``; the checkpoint keeps ``q_proj`` / ``k_proj`` / ``v_proj``).
     """
 
     def __init__(self, in_features: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, *, bias: bool = False, qk_norm: bool = False,
                  norm_eps: float = 1e-6, dtype=jnp.float32, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = Linear(in_features, num_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(in_features, num_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(in_features, num_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.qkv_proj = FusedLinear(
+            in_features, (("q_proj", num_heads * head_dim), ("k_proj", num_kv_heads * head_dim),
+                          ("v_proj", num_kv_heads * head_dim)),
+            bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
 
-    def __call__(self, x: Array, positions: Array, cache: KVCache, layer: int,
-                 inv_freq: Array, slots: Array | None = None) -> tuple[Array, KVCache]:
-        """x: [B, T, in]; positions: [B, T]; slots: [B] cache rows or None (rows 0..B-1).
+    def __call__(self, x: Array, positions: Array, cache: KVCache | None, layer: int,
+                 inv_freq: Array, batch: AttentionBatch | None = None
+                 ) -> tuple[Array, KVCache | None]:
+        """x: [B, T, in]; positions: [B, T].
 
-        Returns ([B, T, hidden], updated cache).
+        With a cache, the new keys and values go into the pool (``batch``: where, from
+        ``cache.attention_batch(positions)``) and the queries attend over each row's
+        pages through the paged attention kernel. Without one (training, scoring), the
+        block attends causally to itself. Returns ([B, T, hidden], the updated cache).
         """
         bsz, t, _ = x.shape
         q, k, v = self.qkv(x, positions, inv_freq)
-        cache = write_kv(cache, layer, k, v, positions, slots)
-        out = cached_attention(q, cache, layer, positions, slots)
+        if cache is None:
+            out = causal_attention(q, k, v)
+        else:
+            pages = cache.pages.write(layer, k, v, batch.slots)
+            cache = cache._replace(pages=pages)
+            out = paged_attention(q, pages.k[layer], pages.v[layer], cache.page_table,
+                                  batch.kv_len, batch.q_len)
         return self.o_proj(out.reshape(bsz, t, -1)), cache
 
     def qkv(self, x: Array, positions: Array, inv_freq: Array) -> tuple[Array, Array, Array]:
         """x: [B, T, in] -> q [B, T, N, D], k and v [B, T, K, D]: projected, q/k-normed
         (Qwen3) and rotated at ``positions`` [B, T]."""
         bsz, t, _ = x.shape
-        q = self.q_proj(x).reshape(bsz, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(bsz, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(bsz, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.reshape(bsz, t, self.num_heads, self.head_dim)
+        k = k.reshape(bsz, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(bsz, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one GEMM
+    (``gate_up_proj``; the checkpoint keeps ``gate_proj`` / ``up_proj``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)
+        self.gate_up_proj = FusedLinear(
+            hidden_size, (("gate_proj", intermediate_size), ("up_proj", intermediate_size)),
+            dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)

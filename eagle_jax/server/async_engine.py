@@ -286,13 +286,13 @@ class AsyncEngine:
     # ---------------------------------------------------------- engine thread
     def _refresh_queue_sizes(self) -> None:
         try:
-            self.num_running = int(self.engine.num_running())
-            self.num_waiting = int(self.engine.num_waiting())
+            stats = self.engine.scheduler_stats()
         except Exception:
-            logger.exception("reading the engine's queue sizes failed")
+            logger.exception("reading the engine's scheduler stats failed")
             return
+        self.num_running, self.num_waiting = stats.num_running, stats.num_waiting
         if self.metrics is not None:
-            self.metrics.set_queue_sizes(self.num_running, self.num_waiting)
+            self.metrics.update_scheduler(stats)
 
     def _finish_metrics(self, tracker: _Tracker, reason: str, now: float) -> None:
         if self.metrics is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..engine.types import SpecDecodeStats
+from ..engine.types import SchedulerStats, SpecDecodeStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -68,6 +68,14 @@ class ServerMetrics:
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", m,
             registry=r, multiprocess_mode="sum",
         )
+        self.kv_cache_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m,
+            registry=r, multiprocess_mode="sum",
+        )
+        self.num_preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions from the engine.", m,
+            registry=r,
+        )
         self.request_success = Counter(
             "vllm:request_success", "Count of successfully processed requests.",
             m + ["finished_reason"], registry=r,
@@ -103,6 +111,9 @@ class ServerMetrics:
         self._accepted = self.spec_num_accepted_tokens.labels(n)
         self._running = self.num_running.labels(n)
         self._waiting = self.num_waiting.labels(n)
+        self._kv_usage = self.kv_cache_usage.labels(n)
+        self._preemptions = self.num_preemptions.labels(n)
+        self._last_preemptions = 0
         self._prompt_tokens = self.prompt_tokens.labels(n)
         self._generation_tokens = self.generation_tokens.labels(n)
         self._ttft = self.ttft.labels(n)
@@ -139,9 +150,14 @@ class ServerMetrics:
             accepted_per_pos=per_pos,
         )
 
-    def set_queue_sizes(self, running: int, waiting: int) -> None:
-        self._running.set(running)
-        self._waiting.set(waiting)
+    def update_scheduler(self, stats: SchedulerStats) -> None:
+        """Queue sizes and KV usage now; preemptions since the last call."""
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        self._kv_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions > self._last_preemptions:
+            self._preemptions.inc(stats.num_preemptions - self._last_preemptions)
+        self._last_preemptions = stats.num_preemptions
 
     def add_prompt_tokens(self, n: int) -> None:
         if n > 0:

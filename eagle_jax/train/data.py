@@ -204,9 +204,8 @@ def collect_features(target, sequences: Iterable[np.ndarray], out_dir: str, *, k
     def run(state, tokens):
         model = nnx.merge(graphdef, state)
         b, t = tokens.shape
-        cache = model.init_cache(b, t)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        out = model(tokens, pos, cache, aux_layers=aux)
+        out = model(tokens, pos, None, aux_layers=aux)
         feats = out.aux_hidden if aux else out.hidden
         top = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
         if not target_hidden:
