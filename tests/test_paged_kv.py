@@ -169,3 +169,13 @@ def test_explicit_max_model_len_beyond_the_pool_is_an_error(models):
     probe = _engine(models, "NONE", precompile=False)
     with pytest.raises(ValueError, match="fewer than one request of max_model_len 64"):
         _engine(models, "NONE", kv_cache_memory=_pool_bytes(probe, 40), precompile=False)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("page_size", 12, "page_size must be a power of two"),
+    ("kv_cache_memory", 0, "kv_cache_memory must be a positive byte count"),
+    ("max_model_len", 1, "max_model_len must be >= 2"),
+])
+def test_bad_pool_settings_are_named(models, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=models["target"], speculative_algorithm="NONE", **{field: value})
