@@ -10,7 +10,7 @@ One run does three things, in this order:
    split-K, GQA 8, float32), with every pool row that holds no live key set to NaN.
    One PASS/FAIL line per shape: relative error max|out - ref| / max|ref|, finiteness,
    exact zeros on padding rows.
-2. Copy bandwidth of the device (``a + 1.0`` over 1 GiB): the 100% of "% copy".
+2. Copy bandwidth of the device (``benchtools.copy_bandwidth``): the 100% of "% copy".
 3. Timings (Llama-3.1-8B attention: N=32, K=8, D=128, bf16, page_size 16): decode
    B=64 x 4096 live tokens, the S+1=6 verify block at B=64 x 4096, a random-tree verify
    block at the same size, decode B=1 x 32768, decode B=64 x 128 live tokens with a page
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +44,8 @@ import numpy as np  # noqa: E402
 
 from eagle_jax.kernels.paged_attention import (  # noqa: E402
     paged_attention, paged_attention_config, paged_attention_reference)
+
+from benchtools import copy_bandwidth, time_ms  # noqa: E402
 
 ROWS = "decode,verify,long,short,tree,prefill"
 
@@ -112,22 +113,6 @@ def rel_error(out, ref, ql):
   return err, finite, zeros
 
 
-def bench_plain(fn, args, *, calls, repeats, warmup):
-  """Median over repeats of the mean ms of back-to-back jitted calls."""
-  out = None
-  for _ in range(warmup):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / calls * 1e3)
-  return statistics.median(times)
-
-
 def bench_in_jit(kernel, inp, block_mask, *, reps, repeats, warmup):
   """(ms per kernel call, the output for inp["q"]): `reps` calls on `reps` different q
   arrays inside one jit, so that Python dispatch does not hide a ~10 us kernel."""
@@ -139,7 +124,7 @@ def bench_in_jit(kernel, inp, block_mask, *, reps, repeats, warmup):
   one = jax.jit(kernel)
   many = jax.jit(lambda qs, *rest: [one(q, *rest) for q in qs])
   out = many(qs, *rest)[0]
-  ms = bench_plain(many, (qs, *rest), calls=1, repeats=repeats, warmup=warmup) / reps
+  ms = time_ms(many, qs, *rest, calls=1, repeats=repeats, warmup=warmup) / reps
   return ms, out
 
 
@@ -219,13 +204,9 @@ def main():
 
   # ---- 2. copy bandwidth --------------------------------------------------------------
   reps, repeats, warmup = (1, 2, 1) if small else (20, 10, 2)
-  copy_elems = (1 << 20) if small else (1 << 28)
-  x = jax.random.normal(jax.random.key(1), (copy_elems,), jnp.float32)
-  copy_ms = bench_plain(jax.jit(lambda a: a + 1.0), (x,), calls=1 if small else 10,
-                        repeats=repeats, warmup=warmup)
-  copy_gbs = 2 * x.nbytes / copy_ms / 1e6
-  print(f"copy {x.nbytes / 2**30:.2f} GiB: {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s", flush=True)
-  del x
+  copy_gbs = copy_bandwidth((4 << 20) if small else (1 << 30), calls=1 if small else 10,
+                            repeats=repeats) / 1e9
+  print(f"copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
 
   # ---- 3. timings ---------------------------------------------------------------------
   if small:
@@ -250,7 +231,7 @@ def main():
     mask = random_trees(7, ql, t) if tree else None
     a = call_args(inp, mask)
     ref = ref_fn(*a)
-    r_ms = bench_plain(ref_fn, a, calls=1 if small else 3, repeats=repeats, warmup=1)
+    r_ms = time_ms(ref_fn, *a, calls=1 if small else 3, repeats=repeats, warmup=1)
     default = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"])
     configs = [{}]
     if args.sweep and name not in ("tree", "prefill"):  # tree verify: as verify
@@ -312,7 +293,7 @@ def main():
     lines.append(f"| {r['row']} | {r['kernel_ms']:.4f}{extra} | {r['kv_bytes'] / 1e6:.1f} | "
                  f"{r['gbs']:.0f} | {r['pct_copy']:.0f}% | {r['reference_ms']:.4f} | "
                  f"{r['ratio']:.2f} | {r['best']} | {cfg} |")
-  print(f"\ncopy bandwidth: {copy_gbs:.0f} GB/s ({copy_ms:.3f} ms)")
+  print(f"\ncopy bandwidth: {copy_gbs:.0f} GB/s")
   print("\n".join(lines))
   print(f"\n{'ALL CHECKS PASSED' if not failed else f'{failed} CHECK(S) FAILED'} "
         f"({time.perf_counter() - t_start:.0f} s)")

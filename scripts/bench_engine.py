@@ -42,6 +42,8 @@ from eagle_jax.models.decoder import Decoder  # noqa: E402
 from eagle_jax.models.draft import new_draft  # noqa: E402
 from eagle_jax.models.draft_config import EAGLE3, DraftConfig  # noqa: E402
 
+from benchtools import copy_bandwidth  # noqa: E402
+
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                 num_heads=32, num_kv_heads=8, head_dim=128)
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=4,
@@ -76,23 +78,6 @@ def random_eagle3(target: Decoder, dtype, draft_vocab: int) -> object:
                       - np.arange(draft_vocab), jnp.int32)
     return new_draft(cfg, target_embed=target.embed_tokens.weight[...],
                      target_lm_head=target.lm_head_weight, d2t=d2t, dtype=dtype)
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, calls: int = 10, reps: int = 10) -> float:
-    """Device-to-device copy, bytes read + written per second: the median over ``reps``
-    of ``calls`` back-to-back copies closed by one sync (a sync per copy would add its
-    host round trip to every ~1 ms copy and understate the bandwidth by ~20%)."""
-    x = jnp.asarray(np.random.default_rng(0).standard_normal(nbytes // 4, np.float32))
-    copy = jax.jit(lambda a: a * 1.0001)
-    copy(x).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(calls):
-            y = copy(x)
-        y.block_until_ready()
-        times.append((time.perf_counter() - t) / calls)
-    return 2 * nbytes / float(np.median(times))
 
 
 def decode_rate(engine: Engine, batch: int, prompt_len: int, new_tokens: int, seed: int):
@@ -224,7 +209,7 @@ def main(argv=None):
         return
     device = jax.devices()[0].device_kind
     print(f"device: {device}; jax {jax.__version__}", flush=True)
-    bw = copy_bandwidth(64 << 20 if args.small else 2 << 30)
+    bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)
     target = random_target(shape, dtype)
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
     weight_bytes = sum(v.size * v.dtype.itemsize for _, v in nnx.iter_graph(target)

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,21 +35,7 @@ from eagle_jax.kernels.spec_sampler import (  # noqa: E402
     speculative_sample, speculative_sample_reference)
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows  # noqa: E402
 
-
-def bench(fn, *args, calls=10, repeats=15, warmup=3):
-  """Median over `repeats` of the mean time (ms) of `calls` back-to-back calls."""
-  out = None
-  for _ in range(warmup):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / calls * 1e3)
-  return statistics.median(times)
+from benchtools import copy_bandwidth, time_ms  # noqa: E402
 
 
 def main():
@@ -63,19 +47,15 @@ def main():
   small = args.small
   want = lambda name: name in args.only.split(",")
   calls, repeats = (1, 2) if small else (10, 15)
-  tb = lambda fn, *a: bench(fn, *a, calls=calls, repeats=repeats, warmup=1 if small else 3)
+  tb = lambda fn, *a: time_ms(fn, *a, calls=calls, repeats=repeats, warmup=1 if small else 3)
   rng = np.random.default_rng(0)
   print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
   results, checks = [], []
 
   # ---- device copy: the bandwidth reference -------------------------------------
-  copy_elems = (1 << 20) if small else (1 << 28)  # 1 GiB of float32 on a GPU
-  x = jnp.asarray(rng.standard_normal(copy_elems, dtype=np.float32))
-  copy = jax.jit(lambda a: a + 1.0)
-  copy_ms = tb(copy, x)
-  copy_gbs = 2 * x.nbytes / copy_ms / 1e6
-  print(f"copy {x.nbytes / 2**30:.2f} GiB: {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s", flush=True)
-  del x
+  copy_gbs = copy_bandwidth((4 << 20) if small else (1 << 30), calls=calls,
+                            repeats=repeats) / 1e9
+  print(f"copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
 
   def row(kernel, shape, k_ms, r_ms, nbytes, target, met, note=""):
     gbs = nbytes / k_ms / 1e6 if nbytes else None
@@ -239,7 +219,7 @@ def main():
         f"| {r['kernel']} | {r['shape']} | {r['kernel_ms']:.4f} | {fmt(r['reference_ms'], '{:.4f}')} "
         f"| {fmt(r['ratio'], '{:.2f}')} | {fmt(r['gbs'], '{:.0f}')} | {fmt(r['pct_copy'], '{:.0f}%')} "
         f"| {r['target']} | {fmt(r['met'], '{}')} |")
-  print(f"\ncopy bandwidth: {copy_gbs:.0f} GB/s ({copy_ms:.3f} ms)")
+  print(f"\ncopy bandwidth: {copy_gbs:.0f} GB/s")
   print("\n".join(lines))
   if args.json:
     Path(args.json).write_text(json.dumps(dict(
