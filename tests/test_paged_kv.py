@@ -8,7 +8,7 @@ import pytest
 
 from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator
+from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator, plan_pool
 
 # --------------------------------------------------------------------------- allocator
 
@@ -41,6 +41,22 @@ def test_allocator_drops_updates_of_a_freed_owner():
     alloc.reserve(1, 1)
     alloc.free(0)
     assert [u[0] for u in alloc.take_updates()] == [1]
+
+
+def test_pool_plan_from_a_budget():
+    kw = dict(model_limit=1000, num_slots=4, page_size=16, step_tokens=6, bytes_per_token=100)
+    # No budget (a CPU): every slot at max_model_len, plus two steps' reach.
+    assert plan_pool(max_model_len=100, budget=None, **kw) == (100, 4 * 7, 7)  # 112 each
+    # A budget of 40 pages: 640 positions; the models' 1000 is capped to 628 by default...
+    plan = plan_pool(max_model_len=None, budget=40 * 16 * 100, **kw)
+    assert plan == (628, 40, 40)
+    # ...and an explicit length it cannot hold, or one past the models' limit, is an error.
+    with pytest.raises(ValueError, match="fewer than one request of max_model_len 700"):
+        plan_pool(max_model_len=700, budget=40 * 16 * 100, **kw)
+    with pytest.raises(ValueError, match="exceeds the model's limit of 1000"):
+        plan_pool(max_model_len=1001, budget=None, **kw)
+    with pytest.raises(ValueError, match="holds no request"):
+        plan_pool(max_model_len=None, budget=100, **kw)
 
 
 # ----------------------------------------------------------------------------- engine

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.engine import step as step_lib
 from eagle_jax.engine.config import EngineConfig
-from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator, pages_for
+from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator, pages_for, plan_pool
 from eagle_jax.engine.types import (
     RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
 from eagle_jax.models.decoder import Decoder, load_decoder
@@ -232,47 +232,17 @@ class Engine:
         return int((limit - stats.get("bytes_in_use", 0)) * fraction)
 
     def _size_pool(self) -> None:
-        """Sets max_model_len, the pool's page count and the page table's width.
-
-        Without a budget (a CPU) the pool holds every slot at max_model_len. A pool that
-        cannot hold one request of the model's full length caps the default
-        max_model_len; an explicit max_model_len it cannot hold is an error.
-        """
-        limit = self._model_limit()
-        want = self.config.max_model_len
-        if want is not None and want > limit:
-            raise ValueError(f"max_model_len {want} exceeds the model's limit of {limit} "
-                             "positions (target and draft max_position_embeddings)")
-        max_model_len = want or limit
-        # A request's pages reach past max_model_len by the step in flight and the step
-        # being dispatched (async scheduling reserves for both).
-        reach = lambda n: n + 2 * self.step_tokens
-        page_bytes = self._bytes_per_token() * self.page_size
-        budget = self._kv_budget()
-        if budget is None:
-            num_pages = self.num_slots * pages_for(reach(max_model_len), self.page_size)
-        else:
-            num_pages = budget // page_bytes
-            fits = num_pages * self.page_size - 2 * self.step_tokens
-            if fits < max_model_len and want is not None:
-                raise ValueError(
-                    f"a KV budget of {budget / 2**30:.2f} GiB holds {max(fits, 0)} tokens, "
-                    f"fewer than one request of max_model_len {want} "
-                    f"({page_bytes / self.page_size / 2**10:.1f} KiB per token); raise "
-                    "kv_cache_memory / kv_cache_memory_fraction or lower max_model_len")
-            if fits < max_model_len:
-                if fits < 2:
-                    raise ValueError(
-                        f"a KV budget of {budget / 2**20:.1f} MiB holds no request; raise "
-                        "kv_cache_memory / kv_cache_memory_fraction")
-                logger.info("max_model_len %d (the model's limit) does not fit the KV pool "
-                            "of %d tokens: serving max_model_len %d", max_model_len,
-                            num_pages * self.page_size, fits)
-                max_model_len = fits
-        self.max_model_len = max_model_len
-        self.num_pages = int(num_pages)
-        self.kv_bytes = self.num_pages * page_bytes
-        self.max_pages = pages_for(reach(max_model_len), self.page_size)
+        """Sets max_model_len, the pool's page count and the page table's width."""
+        plan = plan_pool(model_limit=self._model_limit(), max_model_len=self.config.max_model_len,
+                         num_slots=self.num_slots, page_size=self.page_size,
+                         step_tokens=self.step_tokens, bytes_per_token=self._bytes_per_token(),
+                         budget=self._kv_budget())
+        if self.config.max_model_len is None and plan.max_model_len < self._model_limit():
+            logger.info("max_model_len %d (the models' limit) does not fit the KV pool of %d "
+                        "tokens: serving max_model_len %d", self._model_limit(),
+                        plan.num_pages * self.page_size, plan.max_model_len)
+        self.max_model_len, self.num_pages, self.max_pages = plan
+        self.kv_bytes = self.num_pages * self.page_size * self._bytes_per_token()
         self._pages = PageAllocator(self.num_pages, self.page_size, self.max_pages)
         # Page-table entries a step may add: each running request grows by at most one
         # step's tokens, which straddle at most cdiv(step_tokens, page_size) + 1 pages.

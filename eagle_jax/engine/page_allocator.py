@@ -1,4 +1,5 @@
-"""Host-side allocator of KV pages: which request owns which page of the pool.
+"""Host-side KV pages: how many the pool has (``plan_pool``) and which request owns which
+(``PageAllocator``).
 
 The pool itself (``KVPages``, one per model) lives on the device; the target's and the
 draft's pools have the same number of pages, and a request's page i holds the same
@@ -18,12 +19,53 @@ applies to its page table before running, so the host never uploads a whole tabl
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages that hold ``num_tokens`` positions."""
     return -(-num_tokens // page_size)
+
+
+class PoolPlan(NamedTuple):
+    max_model_len: int
+    num_pages: int
+    max_pages: int  # the page table's width: pages one request can own
+
+
+def plan_pool(*, model_limit: int, max_model_len: int | None, num_slots: int, page_size: int,
+              step_tokens: int, bytes_per_token: int, budget: int | None) -> PoolPlan:
+    """The pool's size and the context limit, from a KV budget in bytes.
+
+    A request's pages reach past its length by the step in flight and the step being
+    dispatched (async scheduling reserves for both): 2 * step_tokens positions. Without
+    a budget (a CPU) the pool holds every slot at max_model_len. A pool that cannot hold
+    one request of the models' full length caps the default max_model_len; an explicit
+    max_model_len it cannot hold, or one past the models' limit, is an error naming the fix.
+    """
+    if max_model_len is not None and max_model_len > model_limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of "
+                         f"{model_limit} positions (target and draft max_position_embeddings)")
+    served = max_model_len or model_limit
+    reach = 2 * step_tokens
+    if budget is None:
+        num_pages = num_slots * pages_for(served + reach, page_size)
+    else:
+        num_pages = budget // (bytes_per_token * page_size)
+        fits = num_pages * page_size - reach
+        if fits < served and max_model_len is not None:
+            raise ValueError(
+                f"a KV budget of {budget / 2**30:.2f} GiB holds {max(fits, 0)} tokens, "
+                f"fewer than one request of max_model_len {max_model_len} "
+                f"({bytes_per_token / 2**10:.1f} KiB per token); raise kv_cache_memory / "
+                "kv_cache_memory_fraction or lower max_model_len")
+        if fits < 2:
+            raise ValueError(f"a KV budget of {budget / 2**20:.1f} MiB holds no request; "
+                             "raise kv_cache_memory / kv_cache_memory_fraction")
+        served = min(served, fits)
+    return PoolPlan(served, int(num_pages), pages_for(served + reach, page_size))
 
 
 class OutOfPages(Exception):
