@@ -106,9 +106,10 @@ def apply_page_updates(state: DecodeState, updates: Array) -> DecodeState:
     return state._replace(page_table=table)
 
 
-def _caches(target, draft, state: DecodeState, page_table: Array):
-    """The target's and the draft's KVCache over the rows of ``page_table``."""
-    draft_cache = None if draft is None else KVCache(state.draft_pages, page_table)
+def _caches(state: DecodeState, page_table: Array) -> tuple[KVCache, KVCache | None]:
+    """The target's and the draft's (None without one) KVCache over the rows of
+    ``page_table``."""
+    draft_cache = None if state.draft_pages is None else KVCache(state.draft_pages, page_table)
     return KVCache(state.target_pages, page_table), draft_cache
 
 
@@ -128,7 +129,7 @@ def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
     seq_len, last, rows, keys, active = _rows(state, batch)
     keys, sub = _split_keys(keys, 1)
     positions = jnp.where(active, seq_len, PAD_POSITION)[:, None]
-    target_cache, _ = _caches(target, None, state, state.page_table[:batch])
+    target_cache, _ = _caches(state, state.page_table[:batch])
     out = target(last[:, None], positions, target_cache)
     logits = out.logits[:, 0]
     probs = sampling_probs(logits, rows, vocab_size)
@@ -148,8 +149,7 @@ def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
 
 
 def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: int,
-              num_steps: int,
-              probabilistic: bool, vocab_size: int, with_logprobs: bool,
+              num_steps: int, probabilistic: bool, vocab_size: int, with_logprobs: bool,
               draft_probs_hook: Callable[[Array], Array] | None = None,
               synthetic_acceptance: float | None = None,
               ) -> tuple[DecodeState, StepOutput]:
@@ -164,7 +164,7 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     S = num_steps
     state = apply_page_updates(state, page_updates)
     seq_len, last, rows, keys, active = _rows(state, batch)
-    target_cache, draft_cache = _caches(target, draft, state, state.page_table[:batch])
+    target_cache, draft_cache = _caches(state, state.page_table[:batch])
     keys, sub = _split_keys(keys, 3)
     u_propose = _uniforms(sub[:, 0], S)
     u_accept = _uniforms(sub[:, 1], S + 1)
@@ -282,7 +282,7 @@ def prefill_chunk(target, draft, state: DecodeState, slot: Array, page_row: Arra
     valid = idx < length
     positions = jnp.where(valid, start + idx, PAD_POSITION)[None]
     state = state._replace(page_table=state.page_table.at[slot].set(page_row))
-    target_cache, draft_cache = _caches(target, draft, state, page_row[None])
+    target_cache, draft_cache = _caches(state, page_row[None])
     last_row = length - 1
     out = target(tokens[None], positions, target_cache, logit_rows=last_row[None, None],
                  aux_layers=(draft.feature_layers or ()) if draft is not None else ())
