@@ -44,19 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-sample-method", default="greedy",
                    choices=["greedy", "probabilistic"])
     g.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="tokens per request (default: the models' own limit, capped by "
-                        "what the KV pool holds)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=64,
-                   help="batch slots (requests decoded at once; more wait for KV pages)")
+                   help="tokens per request (default: the target's own limit, capped by "
+                        "what the KV pool holds; on a CPU by 4096)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help="batch slots, requests decoded at once; more wait for KV pages "
+                        "(default: 4 on a CPU, 64 on a GPU)")
     g.add_argument("--page-size", type=_positive_int, default=16,
                    help="positions per KV page (a power of two)")
     g.add_argument("--batch-buckets", default=None,
-                   help="comma-separated batch buckets (default: powers of two up to "
-                        "--max-num-seqs)")
+                   help="comma-separated batch buckets (default: the engine's powers of two "
+                        "up to --max-num-seqs)")
     g.add_argument("--prefill-buckets", default=None,
                    help="comma-separated prompt chunk lengths compiled for prefill "
                         "(default: the engine's)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="default: float32 on a CPU, bfloat16 on a GPU")
     g.add_argument("--kv-cache-memory", type=_positive_int, default=None,
                    help="KV pool bytes")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
@@ -81,15 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _buckets(arg: str | None, max_num_seqs: int) -> tuple[int, ...]:
-    if arg:
-        return tuple(sorted({int(x) for x in arg.split(",") if x.strip()}))
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    out.append(max_num_seqs)
-    return tuple(out)
+def _buckets(arg: str) -> tuple[int, ...]:
+    return tuple(sorted({int(x) for x in arg.split(",") if x.strip()}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = {}
     if args.prefill_buckets:
-        extra["prefill_buckets"] = tuple(
-            sorted({int(x) for x in args.prefill_buckets.split(",") if x.strip()}))
+        extra["prefill_buckets"] = _buckets(args.prefill_buckets)
+    if args.batch_buckets:
+        extra["batch_buckets"] = _buckets(args.batch_buckets)
     config = EngineConfig(
         model=model,
         draft_model=draft,
@@ -133,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         page_size=args.page_size,
-        batch_buckets=_buckets(args.batch_buckets, args.max_num_seqs),
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,

@@ -44,16 +44,19 @@ def test_allocator_drops_updates_of_a_freed_owner():
 
 
 def test_pool_plan_from_a_budget():
-    kw = dict(model_limit=1000, num_slots=4, page_size=16, step_tokens=6, bytes_per_token=100)
-    # No budget (a CPU): every slot at max_model_len, plus two steps' reach.
+    kw = dict(model_limit=1000, num_slots=4, page_size=16, step_tokens=6, bytes_per_token=100,
+              unbudgeted_max_model_len=500)
+    # No budget (a CPU): every slot at max_model_len, plus two steps' reach; by default
+    # the target's limit capped at the unbudgeted length.
     assert plan_pool(max_model_len=100, budget=None, **kw) == (100, 4 * 7, 7)  # 112 each
+    assert plan_pool(max_model_len=None, budget=None, **kw) == (500, 4 * 32, 32)  # 512
     # A budget of 40 pages: 640 positions; the models' 1000 is capped to 628 by default...
     plan = plan_pool(max_model_len=None, budget=40 * 16 * 100, **kw)
     assert plan == (628, 40, 40)
     # ...and an explicit length it cannot hold, or one past the models' limit, is an error.
     with pytest.raises(ValueError, match="fewer than one request of max_model_len 700"):
         plan_pool(max_model_len=700, budget=40 * 16 * 100, **kw)
-    with pytest.raises(ValueError, match="exceeds the model's limit of 1000"):
+    with pytest.raises(ValueError, match="exceeds the target.s limit of 1000"):
         plan_pool(max_model_len=1001, budget=None, **kw)
     with pytest.raises(ValueError, match="holds no request"):
         plan_pool(max_model_len=None, budget=100, **kw)
@@ -195,3 +198,32 @@ def test_explicit_max_model_len_beyond_the_pool_is_an_error(models):
 def test_bad_pool_settings_are_named(models, field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model=models["target"], speculative_algorithm="NONE", **{field: value})
+
+
+def test_backend_defaults_fill_only_what_is_unset():
+    cfg = EngineConfig(model="m", speculative_algorithm="NONE", max_num_seqs=8)
+    cpu, notes = cfg.for_backend("cpu")
+    assert (cpu.dtype, cpu.max_num_seqs) == ("float32", 8)
+    assert notes == ["dtype=float32 (the cpu default; set it to change)"]
+    gpu, _ = cfg.for_backend("gpu")
+    assert (gpu.dtype, gpu.max_num_seqs) == ("bfloat16", 8)
+    assert EngineConfig(model="m", speculative_algorithm="NONE").for_backend("gpu")[0] \
+        .max_num_seqs == 64
+
+
+def test_cpu_engine_defaults_and_the_targets_context_limit(models, tmp_path, caplog):
+    """On a CPU an engine left at its defaults decodes a few requests in float32 over the
+    target's whole context (the test target's 512 positions); a draft trained on fewer
+    positions does not cap it, and says so."""
+    from eagle_jax.testutil.drafts import write_tiny_eagle3_draft
+
+    short_draft = write_tiny_eagle3_draft(str(tmp_path / "short"), models["target"],
+                                          draft_vocab_size=200, max_position_embeddings=32)
+    with caplog.at_level("INFO", logger="eagle_jax.engine"):
+        engine = Engine(EngineConfig(model=models["target"], draft_model=short_draft,
+                                     compilation_cache_dir="", precompile=False))
+    assert engine.dtype == np.float32 and engine.num_slots == 4
+    assert engine.max_model_len == engine.model_config.max_position_embeddings > 32
+    text = caplog.text
+    assert "dtype=float32 (the cpu default" in text and "max_num_seqs=4" in text
+    assert "below the target's" in text

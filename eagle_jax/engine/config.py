@@ -24,16 +24,18 @@ class EngineConfig:
       draft_sample_method: "greedy" proposes the draft argmax (q one-hot in the accept
         test); "probabilistic" samples sampled rows from the draft's q (greedy rows still
         propose the argmax, 001).
-      max_model_len: prompt + generated tokens per request; None = the models' own
-        limit (capped by what the KV pool holds).
-      max_num_seqs: most requests decoded at once (slots). Requests wait for KV pages
-        beyond that: the pool, not the slot count, bounds the tokens held.
+      max_model_len: prompt + generated tokens per request; None = the target's own
+        limit, capped by what the KV pool holds (on a CPU, by CPU_MAX_MODEL_LEN).
+      max_num_seqs: most requests decoded at once (slots); None = the backend's default
+        (``for_backend``). Requests wait for KV pages beyond that: the pool, not the slot
+        count, bounds the tokens held.
       page_size: positions per KV page.
       batch_buckets / prefill_buckets: compiled batch sizes and prompt chunk lengths.
       kv_cache_memory: KV pool budget in bytes; kv_cache_memory_fraction: or this share
         of the free device memory (a GPU; default 0.75 there). On a CPU without either,
         the pool holds max_num_seqs requests of max_model_len.
-      dtype: parameter and activation dtype ("bfloat16" or "float32").
+      dtype: parameter and activation dtype ("bfloat16" or "float32"); None = the
+        backend's default (float32 on a CPU, bfloat16 on a GPU).
       precompile: compile every bucket at start (with a progress bar).
       compilation_cache_dir: JAX persistent compilation cache ("" disables it).
       async_scheduling: dispatch each step before reading the previous one's tokens.
@@ -49,13 +51,13 @@ class EngineConfig:
     num_draft_tokens: int | None = None
     draft_sample_method: str = "greedy"
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None
     page_size: int = 16
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float | None = None
-    dtype: str = "bfloat16"
+    dtype: str | None = None
     seed: int = 0
     precompile: bool = True
     compilation_cache_dir: str = os.path.join(
@@ -82,7 +84,7 @@ class EngineConfig:
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
                              f"got {self.draft_sample_method!r}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
@@ -105,3 +107,26 @@ class EngineConfig:
     @property
     def speculative(self) -> bool:
         return self.speculative_algorithm != "NONE"
+
+    def for_backend(self, backend: str) -> tuple["EngineConfig", list[str]]:
+        """This config with every field left None filled for ``backend`` ("cpu" or a GPU
+        platform), and one line per field so filled (for the start-up log).
+
+        A CPU decodes a few requests of a modest context in float32 (bfloat16 matmuls
+        are emulated there, several times slower); a GPU serves many in bfloat16 from
+        its KV memory budget.
+        """
+        defaults = CPU_DEFAULTS if backend == "cpu" else GPU_DEFAULTS
+        chosen = {name: value for name, value in defaults.items()
+                  if getattr(self, name) is None}
+        notes = [f"{name}={value} (the {backend} default; set it to change)"
+                 for name, value in chosen.items()]
+        return dataclasses.replace(self, **chosen), notes
+
+
+# Fields left None, by backend. (max_model_len left None is the target's limit, capped by
+# the KV pool; a CPU, which has no memory budget to size the pool from, caps it at
+# CPU_MAX_MODEL_LEN.)
+CPU_DEFAULTS = dict(dtype="float32", max_num_seqs=4)
+GPU_DEFAULTS = dict(dtype="bfloat16", max_num_seqs=64)
+CPU_MAX_MODEL_LEN = 4096

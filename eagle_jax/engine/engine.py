@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.engine import step as step_lib
-from eagle_jax.engine.config import EngineConfig
+from eagle_jax.engine.config import CPU_MAX_MODEL_LEN, EngineConfig
 from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator, pages_for, plan_pool
 from eagle_jax.engine.types import (
     RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
@@ -126,6 +126,9 @@ class Engine:
         ``draft_probs_hook`` (tests only) rewrites the draft probabilities inside the
         step, as a corrupted buffer would (004). ``compile_fn`` turns the engine's pure
         functions into executables (see ``CompileFn``)."""
+        config, defaults = config.for_backend(jax.default_backend())
+        for line in defaults:
+            logger.info("engine: %s", line)
         self.config = config
         self._compile_fn = compile_fn
         self._step_listeners: list[Callable[[StepEvent], None]] = []
@@ -197,10 +200,15 @@ class Engine:
         return Tokenizer.from_dir(self.config.model)
 
     def _model_limit(self) -> int:
-        """Positions the models know (target and draft max_position_embeddings)."""
+        """The context limit: the target's max_position_embeddings. A draft trained on
+        shorter sequences does not cap it: it runs past its training length with its
+        RoPE, as SGLang's EAGLE workers do (warned)."""
         limit = self.model_config.max_position_embeddings
-        if self.draft is not None:
-            limit = min(limit, self.draft.max_positions)
+        if self.draft is not None and self.draft.max_positions < limit:
+            logger.warning(
+                "the draft's max_position_embeddings (%d) is below the target's (%d): past "
+                "%d positions it drafts beyond its training length (acceptance may fall)",
+                self.draft.max_positions, limit, self.draft.max_positions)
         return limit
 
     def _bytes_per_token(self) -> int:
@@ -233,14 +241,15 @@ class Engine:
 
     def _size_pool(self) -> None:
         """Sets max_model_len, the pool's page count and the page table's width."""
-        plan = plan_pool(model_limit=self._model_limit(), max_model_len=self.config.max_model_len,
+        limit = self._model_limit()
+        plan = plan_pool(model_limit=limit, max_model_len=self.config.max_model_len,
                          num_slots=self.num_slots, page_size=self.page_size,
                          step_tokens=self.step_tokens, bytes_per_token=self._bytes_per_token(),
-                         budget=self._kv_budget())
-        if self.config.max_model_len is None and plan.max_model_len < self._model_limit():
-            logger.info("max_model_len %d (the models' limit) does not fit the KV pool of %d "
-                        "tokens: serving max_model_len %d", self._model_limit(),
-                        plan.num_pages * self.page_size, plan.max_model_len)
+                         budget=self._kv_budget(), unbudgeted_max_model_len=CPU_MAX_MODEL_LEN)
+        if self.config.max_model_len is None and plan.max_model_len < limit:
+            logger.info("engine: max_model_len=%d (the target's limit %d capped by the KV pool "
+                        "of %d tokens; set it to change)", plan.max_model_len, limit,
+                        plan.num_pages * self.page_size)
         self.max_model_len, self.num_pages, self.max_pages = plan
         self.kv_bytes = self.num_pages * self.page_size * self._bytes_per_token()
         self._pages = PageAllocator(self.num_pages, self.page_size, self.max_pages)

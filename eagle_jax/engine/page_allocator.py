@@ -36,21 +36,24 @@ class PoolPlan(NamedTuple):
 
 
 def plan_pool(*, model_limit: int, max_model_len: int | None, num_slots: int, page_size: int,
-              step_tokens: int, bytes_per_token: int, budget: int | None) -> PoolPlan:
+              step_tokens: int, bytes_per_token: int, budget: int | None,
+              unbudgeted_max_model_len: int) -> PoolPlan:
     """The pool's size and the context limit, from a KV budget in bytes.
 
     A request's pages reach past its length by the step in flight and the step being
     dispatched (async scheduling reserves for both): 2 * step_tokens positions. Without
-    a budget (a CPU) the pool holds every slot at max_model_len. A pool that cannot hold
-    one request of the models' full length caps the default max_model_len; an explicit
-    max_model_len it cannot hold, or one past the models' limit, is an error naming the fix.
+    a budget (a CPU) the pool holds every slot at max_model_len, which then defaults to
+    at most ``unbudgeted_max_model_len``. A pool that cannot hold one request of the
+    model's full length caps the default max_model_len; an explicit max_model_len it
+    cannot hold, or one past the model's limit, is an error naming the fix.
     """
     if max_model_len is not None and max_model_len > model_limit:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of "
-                         f"{model_limit} positions (target and draft max_position_embeddings)")
+        raise ValueError(f"max_model_len {max_model_len} exceeds the target's limit of "
+                         f"{model_limit} positions (its max_position_embeddings)")
     served = max_model_len or model_limit
     reach = 2 * step_tokens
     if budget is None:
+        served = max_model_len or min(model_limit, unbudgeted_max_model_len)
         num_pages = num_slots * pages_for(served + reach, page_size)
     else:
         num_pages = budget // (bytes_per_token * page_size)

@@ -130,8 +130,9 @@ class _DraftBase(nnx.Module):
 
     @property
     def max_positions(self) -> int:
-        """The draft's ``max_position_embeddings``: the engine caps the context at
-        min(this, the target's) so the draft never runs past the positions it knows."""
+        """The draft's ``max_position_embeddings``: the length it was trained on. The
+        context limit is the target's; past this the draft runs on with its RoPE (the
+        engine warns)."""
         return self.config.max_position_embeddings
 
     @property
