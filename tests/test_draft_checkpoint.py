@@ -383,3 +383,34 @@ def test_speculators_layout_refuses_eagle1(tmp_path, target_dir, target):
         save_draft(draft, str(tmp_path / "out"), checkpoint_format="speculators")
     assert not os.path.exists(tmp_path / "out")  # refused before anything is written
 
+
+def test_train_draft_saves_the_speculators_layout(tmp_path, target_dir, target, capsys):
+    """``scripts/train_draft.py --format speculators``: a few steps, then the draft loads
+    from the speculators layout, naming its target as the verifier."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "train_draft_script", os.path.join(root, "scripts", "train_draft.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    corpus = tmp_path / "corpus.jsonl"
+    rows = np.random.default_rng(0).integers(0, 256, (12, 17))
+    corpus.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
+    args = ["--target", target_dir, "--corpus", str(corpus), "--out", str(tmp_path / "run"),
+            "--algorithm", "EAGLE3", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+            "--draft-vocab-size", "100", "--ttt-steps", "1", "--eval-every", "0",
+            "--save-every", "0", "--collect-batch-size", "6", "--no-progress",
+            "--aux-layer-ids", "0", "1", "2", "--format", "speculators"]
+    with pytest.raises(ValueError, match="checkpoint_format='speculators' is for EAGLE3 drafts "
+                                         "with their own LM head"):
+        script.main(args + ["--lm-head", "target"])
+    assert script.main(args) == 0
+    out = str(tmp_path / "run" / "draft")
+    cfg = _cfg(out)
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # the same layers, vLLM's ids
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == target_dir
+    assert set(_tensors(out)) == SPECULATORS_NAMES
+    draft = load_draft(out, target)
+    assert draft.config.checkpoint_format == "speculators" and draft.feature_layers == (1, 2, 3)
