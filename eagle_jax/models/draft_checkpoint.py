@@ -229,7 +229,7 @@ def save_draft(draft: Draft, out_dir: str, dtype=None, *, checkpoint_format: str
     borrowed it, unless ``write_target_head=False``: then the sglang checkpoint has no head
     and ``load_draft`` borrows the target's again, as sglang's ``load_lm_head_from_target``;
     the speculators layout always carries the head), ``d2t`` (int64) and ``t2d`` (bool)
-    (speculators: only when the draft vocabulary is reduced); the embedding is written
+    (speculators: only when they are not the identity); the embedding is written
     only when the draft owns one. EAGLE-1's config says ``LlamaForCausalLMEagle`` (sglang's
     class; ``load_draft`` also accepts the plain ``LlamaForCausalLM`` of the originals).
     """
@@ -253,7 +253,7 @@ def save_draft(draft: Draft, out_dir: str, dtype=None, *, checkpoint_format: str
             w = np.asarray(jax.device_get(draft.lm_head_weight()))
             tensors["lm_head.weight"] = w if cast is None else w.astype(cast)
         d2t = None if draft.d2t is None else np.asarray(jax.device_get(draft.d2t))
-        if not (speculators and cfg.draft_vocab_size == cfg.vocab_size):
+        if not (speculators and d2t is None):  # speculators: no maps for the identity
             tensors["d2t"], tensors["t2d"] = vocab_maps(d2t, cfg.draft_vocab_size,
                                                         cfg.vocab_size)
     dtype_name = np.dtype(cast if cast is not None else draft.dtype).name

@@ -48,9 +48,9 @@ class DraftConfig:
     ``aux_layers``; 0 is the embedding output). The two layouts number them differently:
 
     * sglang: ``eagle_config.eagle_aux_hidden_state_layer_ids`` name layer OUTPUTS, so
-      ``feature_layers = ids + 1`` (sglang's ``llama.py`` captures before layer ``id + 1``:
-      ``layers_to_capture = [val + 1 for val in layer_ids]``); the default ids are
-      (1, L//2 - 1, L - 4).
+      ``feature_layers = ids + 1`` (sglang's ``llama.py``: ``set_eagle3_layers_to_capture``
+      sets ``layers_to_capture = [val + 1 for val in layer_ids]`` and the model captures
+      before running each of those layers); the default ids are (1, L//2 - 1, L - 4).
     * speculators / vLLM: the top-level ``eagle_aux_hidden_state_layer_ids`` name layer
       INPUTS, so ``feature_layers = ids``, one less than sglang's for the same layer. Read
       in vLLM's ``model_executor/models/llama.py`` (``LlamaModel.forward`` appends
