@@ -3,7 +3,8 @@
 The reader parses the safetensors format directly (an 8-byte header length, a JSON
 header, raw little-endian tensors) over a memory map, so a tensor is read only when it is
 needed, bfloat16 needs nothing beyond ``ml_dtypes``, and every error can name the file
-and the tensor. Pickle checkpoints (``*.bin``, ``*.pt``) are refused, never loaded.
+and the tensor. Pickle checkpoints (``*.bin``, ``*.pt``) are refused, never loaded:
+``scripts/convert_checkpoint.py`` converts them (reading tensors only, no code run).
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ class CheckpointReader:
             if pickles:
                 raise CheckpointError(
                     f"{model_dir}: only pickle checkpoints found ({', '.join(sorted(pickles))}); "
-                    "pickles are never loaded: convert them to safetensors")
+                    "pickles are never loaded: convert them to safetensors with "
+                    f"'python scripts/convert_checkpoint.py {model_dir}' (tensors only, no "
+                    "code run)")
             raise CheckpointError(f"{model_dir}: no *.safetensors files found")
 
     def __contains__(self, name: str) -> bool:

@@ -17,7 +17,9 @@ The corpus is a directory of text files or a JSONL of {"text"} / {"prompt", "res
 / {"input_ids"} rows. ``--resume`` continues from the newest checkpoint in ``--out``
 (parameters, optimizer state, step and rng). The final draft is written in the
 published layout to ``OUT/draft`` (load it with ``eagle_jax.models.draft_checkpoint.
-load_draft``, sglang or vLLM).
+load_draft``, sglang or vLLM); ``--format speculators`` writes the layout of the
+``speculators`` library instead (EAGLE-3; vLLM reads it, with the aux layer ids in vLLM's
+convention, naming layer inputs).
 """
 
 from __future__ import annotations
@@ -81,7 +83,12 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--intermediate-size", type=int, default=None)
     p.add_argument("--max-position-embeddings", type=int, default=None)
     p.add_argument("--aux-layer-ids", type=int, nargs="+", default=None,
-                   help="EAGLE-3 feature layers as layer OUTPUT ids (default 1, L//2-1, L-4)")
+                   help="EAGLE-3 feature layers as layer OUTPUT ids, sglang's convention, "
+                        "whatever --format (default 1, L//2-1, L-4)")
+    p.add_argument("--format", default="sglang", choices=["sglang", "speculators"],
+                   help="layout of the saved draft: sglang = the published EAGLE layout "
+                        "(sglang, vLLM); speculators = the speculators library's (vLLM; "
+                        "EAGLE3 with --lm-head own only)")
     p.add_argument("--eagle1-noise", type=float, default=0.0)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -99,7 +106,7 @@ def parse_args(argv=None) -> TrainConfig:
         resume=a.resume, stop_after=a.stop_after, intermediate_size=a.intermediate_size,
         max_position_embeddings=a.max_position_embeddings,
         aux_layer_ids=tuple(a.aux_layer_ids) if a.aux_layer_ids else None,
-        eagle1_noise=a.eagle1_noise, progress=not a.no_progress)
+        eagle1_noise=a.eagle1_noise, progress=not a.no_progress, checkpoint_format=a.format)
 
 
 def main(argv=None) -> int:

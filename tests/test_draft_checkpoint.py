@@ -254,3 +254,163 @@ def test_missing_tensor(tmp_path, target_dir, target):
     save_safetensors(os.path.join(d, "model.safetensors"), t)
     with pytest.raises(CheckpointError, match="lacks tensor 'layers.0.mlp.up_proj.weight'"):
         load_draft(d, target)
+
+
+# ------------------------------------------------------------- the speculators layout
+
+SPECULATORS_NAMES = {n.replace("midlayer.", "layers.0.") for n in EAGLE3_NAMES}
+
+
+def test_speculators_layout_equals_sglang_layout(tmp_path, target_dir, target):
+    """One set of weights in both layouts gives equal draft outputs on the same target
+    features. The aux layer ids differ by one: sglang's [0, 1, 2] name layer OUTPUTS,
+    speculators' / vLLM's [1, 2, 3] the INPUTS of the same layers."""
+    sg = write_tiny_eagle3_draft(str(tmp_path / "sg"), target_dir, draft_vocab_size=100,
+                                 aux_layer_ids=[0, 1, 2], with_embed=True)
+    sp = write_tiny_eagle3_draft(str(tmp_path / "sp"), target_dir, draft_vocab_size=100,
+                                 aux_layer_ids=[1, 2, 3], with_embed=True,
+                                 checkpoint_format="speculators")
+    assert set(_tensors(sp)) == SPECULATORS_NAMES | {"embed_tokens.weight"}
+    cfg = _cfg(sp)
+    assert cfg["speculators_model_type"] == "eagle3" and "transformer_layer_config" in cfg
+    a, b = load_draft(sg, target), load_draft(sp, target)
+    assert (a.config.checkpoint_format, b.config.checkpoint_format) == ("sglang", "speculators")
+    assert a.feature_layers == b.feature_layers == (1, 2, 3)
+    assert b.config.verifier == "tiny-target" and b.config.norm_before_residual is False
+    np.testing.assert_array_equal(_prefill_logits(a, target), _prefill_logits(b, target))
+    # read in sglang's convention instead, the same ids are the layers one earlier
+    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    _write_cfg(sp, cfg)
+    shifted = load_draft(sp, target)
+    assert shifted.feature_layers == (0, 1, 2)
+    assert not np.allclose(_prefill_logits(shifted, target), _prefill_logits(a, target))
+
+
+def test_speculators_defaults(tmp_path, target_dir, target):
+    """Absent ids: vLLM's default layers (2, L//2, L-3), sglang's default too; the whole
+    vocabulary without d2t/t2d; the published drafts' older config style (rope_theta and
+    llama3 rope_scaling, ``Eagle3Speculator``, no norm_before_residual: True, as vLLM)."""
+    sg = write_tiny_eagle3_draft(str(tmp_path / "sg"), target_dir)
+    sp = write_tiny_eagle3_draft(str(tmp_path / "sp"), target_dir,
+                                 checkpoint_format="speculators")
+    assert "d2t" not in _tensors(sp) and "t2d" not in _tensors(sp)
+    a, b = load_draft(sg, target), load_draft(sp, target)
+    assert a.feature_layers == b.feature_layers == target.config.eagle3_aux_layers == (2, 2, 1)
+    assert b.d2t is None and b.lm_head is not None
+    np.testing.assert_array_equal(_prefill_logits(a, target), _prefill_logits(b, target))
+    cfg = _cfg(sp)
+    layer = cfg["transformer_layer_config"]
+    del layer["rope_parameters"], cfg["norm_before_residual"]
+    layer.update(rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))
+    cfg["architectures"] = ["Eagle3Speculator"]
+    _write_cfg(sp, cfg)
+    c = load_draft(sp, target).config
+    assert c.norm_before_residual is True and c.rope_theta == 500000.0
+    assert c.rope_scaling.factor == 8.0 and c.architecture == "Eagle3Speculator"
+
+
+def test_speculators_save_round_trip(tmp_path, target_dir, target):
+    src = write_tiny_eagle3_draft(str(tmp_path / "src"), target_dir, draft_vocab_size=100,
+                                  aux_layer_ids=[0, 1, 2], max_position_embeddings=64)
+    draft = load_draft(src, target)
+    out = str(tmp_path / "sp")
+    save_draft(draft, out, checkpoint_format="speculators", verifier="meta-llama/tiny")
+    assert set(_tensors(out)) == SPECULATORS_NAMES
+    cfg = _cfg(out)
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["architectures"] == ["Eagle3Speculator"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM's: layer inputs
+    assert cfg["draft_vocab_size"] == 100 and cfg["target_hidden_size"] == 64
+    assert cfg["norm_before_residual"] is False and cfg["tie_word_embeddings"] is False
+    assert cfg["speculators_config"]["verifier"] == dict(name_or_path="meta-llama/tiny",
+                                                         architectures=["LlamaForCausalLM"])
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
+    assert layer["max_position_embeddings"] == 64 and layer["vocab_size"] == 256
+    again = load_draft(out, target)
+    assert again.config.checkpoint_format == "speculators" and again.feature_layers == (1, 2, 3)
+    np.testing.assert_array_equal(_prefill_logits(again, target), _prefill_logits(draft, target))
+    save_draft(again, str(tmp_path / "sp2"))  # its own layout by default
+    assert _cfg(str(tmp_path / "sp2")) == cfg
+    save_draft(again, str(tmp_path / "sg"), checkpoint_format="sglang")
+    back = _tensors(str(tmp_path / "sg"))
+    assert set(back) == set(_tensors(src))
+    for name, arr in _tensors(src).items():
+        np.testing.assert_array_equal(back[name], arr, err_msg=name)
+    assert _cfg(str(tmp_path / "sg"))["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        0, 1, 2]
+
+
+def test_speculators_full_vocab_borrowed_head_is_written(tmp_path, target_dir, target):
+    d = write_tiny_eagle3_draft(str(tmp_path / "e3"), target_dir, with_lm_head=False)
+    draft = load_draft(d, target)
+    save_draft(draft, str(tmp_path / "sp"), checkpoint_format="speculators")
+    t = _tensors(str(tmp_path / "sp"))
+    assert "d2t" not in t and "t2d" not in t
+    np.testing.assert_array_equal(t["lm_head.weight"], target.lm_head.weight[...])
+    with pytest.raises(ValueError, match="always carries lm_head.weight"):
+        save_draft(draft, str(tmp_path / "no_head"), checkpoint_format="speculators",
+                   write_target_head=False)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(norm_before_fc=True), r"norm_before_fc is true .*does not implement it"),
+    (dict(norm_output=True), r"norm_output is true"),
+    (dict(speculators_model_type="eagle"), r"speculators_model_type 'eagle': eagle_jax reads "
+                                           r"speculators' 'eagle3' drafts only"),
+    (dict(transformer_layer_config=dict(model_type="qwen3")),
+     r"transformer_layer_config.model_type 'qwen3'"),
+    (dict(eagle_aux_hidden_state_layer_ids=[1, 2, 4]),
+     r"config.json: eagle_aux_hidden_state_layer_ids \[1, 2, 4\] out of range: the target has "
+     r"4 layers \(valid ids 0..3, id i is the input of layer i"),
+])
+def test_speculators_config_errors(tmp_path, target_dir, target, change, message):
+    d = write_tiny_eagle3_draft(str(tmp_path / "sp"), target_dir,
+                                checkpoint_format="speculators")
+    cfg = _cfg(d)
+    for key, value in change.items():
+        cfg[key] = dict(cfg[key], **value) if isinstance(value, dict) else value
+    _write_cfg(d, cfg)
+    with pytest.raises(ValueError, match=message):
+        load_draft(d, target)
+
+
+def test_speculators_layout_refuses_eagle1(tmp_path, target_dir, target):
+    draft = load_draft(write_tiny_eagle1_draft(str(tmp_path / "e1"), target_dir), target)
+    with pytest.raises(ValueError, match="speculators layout is written for EAGLE-3 drafts only"):
+        save_draft(draft, str(tmp_path / "out"), checkpoint_format="speculators")
+    assert not os.path.exists(tmp_path / "out")  # refused before anything is written
+
+
+def test_train_draft_saves_the_speculators_layout(tmp_path, target_dir, target, capsys):
+    """``scripts/train_draft.py --format speculators``: a few steps, then the draft loads
+    from the speculators layout, naming its target as the verifier."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "train_draft_script", os.path.join(root, "scripts", "train_draft.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    corpus = tmp_path / "corpus.jsonl"
+    rows = np.random.default_rng(0).integers(0, 256, (12, 17))
+    corpus.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))
+    args = ["--target", target_dir, "--corpus", str(corpus), "--out", str(tmp_path / "run"),
+            "--algorithm", "EAGLE3", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+            "--draft-vocab-size", "100", "--ttt-steps", "1", "--eval-every", "0",
+            "--save-every", "0", "--collect-batch-size", "6", "--no-progress",
+            "--aux-layer-ids", "0", "1", "2", "--format", "speculators"]
+    with pytest.raises(ValueError, match="checkpoint_format='speculators' is for EAGLE3 drafts "
+                                         "with their own LM head"):
+        script.main(args + ["--lm-head", "target"])
+    assert script.main(args) == 0
+    out = str(tmp_path / "run" / "draft")
+    cfg = _cfg(out)
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # the same layers, vLLM's ids
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == target_dir
+    assert set(_tensors(out)) == SPECULATORS_NAMES
+    draft = load_draft(out, target)
+    assert draft.config.checkpoint_format == "speculators" and draft.feature_layers == (1, 2, 3)

@@ -1,6 +1,6 @@
 """Loading and saving EAGLE-1 / EAGLE-3 drafts in the published checkpoint layouts.
 
-EAGLE-3 (``LlamaForCausalLMEagle3``; yuhuili/EAGLE3-*, SpecForge outputs)::
+EAGLE-3, sglang layout (``LlamaForCausalLMEagle3``; yuhuili/EAGLE3-*, SpecForge outputs)::
 
     fc.weight                                   [H, n * Ht]   (n = number of aux layers, 3)
     midlayer.input_layernorm.weight             [H]
@@ -15,21 +15,32 @@ EAGLE-3 (``LlamaForCausalLMEagle3``; yuhuili/EAGLE3-*, SpecForge outputs)::
     t2d                                         bool [V]    True where a target id is drafted
     embed_tokens.weight                         [V, H]   optional (absent: the target's)
 
+EAGLE-3, speculators layout (``speculators_model_type: "eagle3"``; ``Eagle3Speculator``,
+``Eagle3DraftModel``; what vLLM reads): the same tensors with ``layers.0.*`` in place of
+``midlayer.*``; ``lm_head.weight`` always present; ``d2t`` / ``t2d`` absent when Vd == V;
+``embed_tokens.weight`` optional (speculators' trainer writes a copy of the target's).
+Its config and aux-layer-id convention: ``draft_config.DraftConfig``.
+
 EAGLE-1 (yuhuili/EAGLE-*; sglang ``LlamaForCausalLMEagle``)::
 
     fc.weight [H, 2H], fc.bias [H], layers.{i}.* (a Llama layer; layer 0 has no
     input_layernorm), embed_tokens.weight optional. The LM head is always the target's.
 
-Kind detection (``detect_kind``): ``architectures`` naming an EAGLE-3 class
+Kind detection (``detect_kind``): a ``speculators_model_type`` key means speculators
+(``eagle3`` only). Else ``architectures`` naming an EAGLE-3 class
 (``LlamaForCausalLMEagle3``, ``Eagle3LlamaForCausalLM``) or an EAGLE-1 class
 (``LlamaForCausalLMEagle``, ``EagleLlamaForCausalLM``) decides. Anything else (the
 published EAGLE-1 checkpoints say plain ``LlamaForCausalLM``) is decided by the tensors:
 ``midlayer.*`` means EAGLE-3, ``fc.weight`` with ``layers.0.*`` means EAGLE-1; neither is
 an error. Tensor names may carry a ``model.`` prefix (some conversions write one).
+
+Pickle checkpoints (``pytorch_model.bin``, as the published LLaMA-3.1-8B EAGLE-3 draft
+ships) are never read: ``scripts/convert_checkpoint.py`` turns them into safetensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import TYPE_CHECKING
@@ -54,6 +65,8 @@ from eagle_jax.models.draft_config import (
     EAGLE1_ARCHITECTURES,
     EAGLE3,
     EAGLE3_ARCHITECTURES,
+    SGLANG,
+    SPECULATORS,
     DraftConfig,
 )
 
@@ -64,7 +77,15 @@ Draft = Eagle1Draft | Eagle3Draft
 
 
 def detect_kind(cfg: dict, reader: CheckpointReader, source: str) -> str:
-    """"EAGLE" or "EAGLE3" from config.json's architectures, else from the tensors."""
+    """"EAGLE" or "EAGLE3" from config.json (speculators_model_type, else architectures),
+    else from the tensors."""
+    if "speculators_model_type" in cfg:
+        if cfg["speculators_model_type"] != "eagle3":
+            raise CheckpointError(
+                f"{source}: speculators_model_type {cfg['speculators_model_type']!r}: eagle_jax "
+                "reads speculators' 'eagle3' drafts only (EAGLE-1 drafts load from the sglang "
+                "layout)")
+        return EAGLE3
     archs = cfg.get("architectures") or []
     if any(a in EAGLE3_ARCHITECTURES for a in archs):
         return EAGLE3
@@ -81,9 +102,19 @@ def detect_kind(cfg: dict, reader: CheckpointReader, source: str) -> str:
         "checkpoint has neither midlayer.* (EAGLE-3) nor fc.weight + layers.0.* (EAGLE-1)")
 
 
-def _name_fn(prefix: str):
+# the EAGLE-3 decoder layer's checkpoint prefix in each layout (the module's is "midlayer.")
+_MIDLAYER_PREFIX = {SGLANG: "midlayer.", SPECULATORS: "layers.0."}
+
+
+def _name_fn(prefix: str, checkpoint_format: str = SGLANG):
+    """Parameter path -> checkpoint name in ``checkpoint_format`` (``prefix`` before all
+    but the LM head)."""
+    midlayer = _MIDLAYER_PREFIX[checkpoint_format]
+
     def name_of(path: tuple) -> str:
         name = dotted(path)
+        if name.startswith("midlayer."):
+            name = midlayer + name[len("midlayer."):]
         return name if name.startswith("lm_head") else prefix + name
     return name_of
 
@@ -168,7 +199,7 @@ def load_draft(draft_dir: str, target: "Decoder", dtype="float32", *,
         cfg, own_embed=own_embed, own_lm_head=own_head, dtype=dtype, rngs=nnx.Rngs(0),
         use_kernels=use_kernels))
     head_prefix = prefix if prefix + "lm_head.weight" in reader else ""
-    name_of = _name_fn(prefix)
+    name_of = _name_fn(prefix, cfg.checkpoint_format)
     load_into(draft, reader,
               lambda p: head_prefix + name_of(p) if p[0] == "lm_head" else name_of(p), dtype)
     draft.bind_target(t_embed, None if own_head else t_head,
@@ -185,27 +216,50 @@ def vocab_maps(d2t: np.ndarray | None, draft_vocab_size: int,
     return d2t, t2d
 
 
-def save_draft(draft: Draft, out_dir: str, dtype=None, *, write_target_head: bool = True) -> None:
-    """Writes ``config.json`` + ``model.safetensors`` in the published layout.
+def save_draft(draft: Draft, out_dir: str, dtype=None, *, checkpoint_format: str | None = None,
+               verifier: str | None = None, write_target_head: bool = True) -> None:
+    """Writes ``config.json`` + ``model.safetensors`` in a published layout.
 
+    ``checkpoint_format``: "sglang" or "speculators" (EAGLE-3 only); None = the draft's own
+    (``draft.config.checkpoint_format``: the layout it was loaded from). ``verifier``: the
+    target's name or path that the speculators config names (``speculators_config.verifier.
+    name_or_path``; None = the draft config's, null when unknown: vLLM takes the target
+    from its own arguments, speculators' loader needs it set).
     EAGLE-3 gets ``lm_head.weight`` (the target's head is written out when the draft
-    borrowed it, unless ``write_target_head=False``: then the checkpoint has no head and
-    ``load_draft`` borrows the target's again, as sglang's ``load_lm_head_from_target``),
-    ``d2t`` (int64) and ``t2d`` (bool); the embedding is written only when the draft owns
-    one. EAGLE-1's config says ``LlamaForCausalLMEagle`` (sglang's
+    borrowed it, unless ``write_target_head=False``: then the sglang checkpoint has no head
+    and ``load_draft`` borrows the target's again, as sglang's ``load_lm_head_from_target``;
+    the speculators layout always carries the head), ``d2t`` (int64) and ``t2d`` (bool)
+    (speculators: only when they are not the identity); the embedding is written
+    only when the draft owns one. EAGLE-1's config says ``LlamaForCausalLMEagle`` (sglang's
     class; ``load_draft`` also accepts the plain ``LlamaForCausalLM`` of the originals).
     """
-    os.makedirs(out_dir, exist_ok=True)
     cfg = draft.config
-    tensors = module_tensors(draft, dotted, None if dtype is None else resolve_dtype(dtype))
+    if checkpoint_format is not None:
+        cfg = dataclasses.replace(cfg, checkpoint_format=checkpoint_format)
+    if verifier is not None:
+        cfg = dataclasses.replace(cfg, verifier=verifier)
+    speculators = cfg.checkpoint_format == SPECULATORS
+    if speculators and not write_target_head:
+        raise ValueError("write_target_head=False: the speculators layout always carries "
+                         "lm_head.weight (speculators' Eagle3 model loads its head from the "
+                         f"checkpoint); save with checkpoint_format {SGLANG!r} to leave it out")
+    hf = cfg.to_hf_dict()  # first: it refuses what the layout cannot hold
+    os.makedirs(out_dir, exist_ok=True)
+    cast = None if dtype is None else resolve_dtype(dtype)
+    tensors = module_tensors(draft, _name_fn("", cfg.checkpoint_format), cast)
     if draft.kind == EAGLE3:
-        if draft.lm_head is None and not cfg.tie_word_embeddings and write_target_head:
+        if draft.lm_head is None and (speculators or (not cfg.tie_word_embeddings
+                                                      and write_target_head)):
             w = np.asarray(jax.device_get(draft.lm_head_weight()))
-            tensors["lm_head.weight"] = w if dtype is None else w.astype(resolve_dtype(dtype))
+            tensors["lm_head.weight"] = w if cast is None else w.astype(cast)
         d2t = None if draft.d2t is None else np.asarray(jax.device_get(draft.d2t))
-        tensors["d2t"], tensors["t2d"] = vocab_maps(d2t, cfg.draft_vocab_size, cfg.vocab_size)
-    hf = cfg.to_hf_dict()
-    hf["torch_dtype"] = np.dtype(resolve_dtype(dtype) if dtype is not None else draft.dtype).name
+        if not (speculators and d2t is None):  # speculators: no maps for the identity
+            tensors["d2t"], tensors["t2d"] = vocab_maps(d2t, cfg.draft_vocab_size,
+                                                        cfg.vocab_size)
+    dtype_name = np.dtype(cast if cast is not None else draft.dtype).name
+    hf["torch_dtype"] = dtype_name
+    if speculators:
+        hf["transformer_layer_config"]["torch_dtype"] = dtype_name
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     save_sharded(out_dir, tensors)

@@ -4,6 +4,12 @@ Written with numpy + ``eagle_jax.checkpoint.save_safetensors`` (no transformers)
 tensor names, shapes and dtypes are those of the published drafts (see
 ``eagle_jax.models.draft_checkpoint``), so these files exercise the same loader path a
 real checkpoint does. The draft's geometry follows the target's ``config.json``.
+
+EAGLE-3 also comes in the ``speculators`` layout, with the config as speculators 0.9.0's
+``Eagle3DraftModel.save_pretrained`` writes it (transformers-5 ``rope_parameters``,
+``target_hidden_size: null``, ``speculators_config``), compared field by field with that
+package's output; the package itself (transformers <= 5.19, torchvision, datasets, ...)
+is not a test dependency.
 """
 
 from __future__ import annotations
@@ -60,14 +66,19 @@ def write_tiny_eagle3_draft(out_dir: str, target_dir: str, *, draft_vocab_size: 
                             aux_layer_ids: list[int] | None = None, with_embed: bool = False,
                             with_lm_head: bool = True, norm_before_residual: bool = False,
                             max_position_embeddings: int | None = None,
-                            architecture: str = "LlamaForCausalLMEagle3") -> str:
-    """A random ``LlamaForCausalLMEagle3`` draft for the target in ``target_dir``.
+                            architecture: str | None = None,
+                            checkpoint_format: str = "sglang") -> str:
+    """A random EAGLE-3 draft for the target in ``target_dir``.
 
-    draft_vocab_size: None = the whole target vocabulary; else a random subset of that many
-    target ids, sorted, with ``d2t``/``t2d`` consistent. aux_layer_ids: the config's
-    ``eagle_aux_hidden_state_layer_ids`` (layer OUTPUT ids; None = omit them, so the
-    target's default layers 2, L//2, L-3 apply). with_embed: also write
-    ``embed_tokens.weight`` (a copy of the target's). Returns ``out_dir``.
+    checkpoint_format: "sglang" (``LlamaForCausalLMEagle3``, ``midlayer.*``) or
+    "speculators" (``Eagle3DraftModel``, ``layers.0.*``); the same seed gives the same
+    weights in both. draft_vocab_size: None = the whole target vocabulary; else a random
+    subset of that many target ids, sorted, with ``d2t``/``t2d`` consistent (speculators
+    omits both for the whole vocabulary). aux_layer_ids: the config's
+    ``eagle_aux_hidden_state_layer_ids`` in the layout's own convention (sglang: layer
+    OUTPUT ids; speculators: layer INPUT ids); None = omit them, so the target's default
+    feature layers 2, L//2, L-3 apply. with_embed: also write ``embed_tokens.weight`` (a
+    copy of the target's). Returns ``out_dir``.
     """
     t = _target_config(target_dir)
     g = _geometry(t)
@@ -98,17 +109,51 @@ def write_tiny_eagle3_draft(out_dir: str, target_dir: str, *, draft_vocab_size: 
     if with_embed:
         tensors["embed_tokens.weight"] = _target_embedding(target_dir)
 
-    cfg = dict(architectures=[architecture], **_llama_fields(t, g, max_position_embeddings),
-               num_hidden_layers=1, draft_vocab_size=vd, target_hidden_size=h,
-               norm_before_residual=norm_before_residual)
-    if aux_layer_ids is not None:
-        cfg["eagle_config"] = dict(eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
-                                   use_aux_hidden_state=True)
+    llama = _llama_fields(t, g, max_position_embeddings)
+    if checkpoint_format == "speculators":
+        tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): a
+                   for k, a in tensors.items() if vd != v or k not in ("d2t", "t2d")}
+        cfg = _speculators_config(llama, vd, norm_before_residual, aux_layer_ids,
+                                  architecture or "Eagle3DraftModel")
+    else:
+        cfg = dict(architectures=[architecture or "LlamaForCausalLMEagle3"], **llama,
+                   num_hidden_layers=1, draft_vocab_size=vd, target_hidden_size=h,
+                   norm_before_residual=norm_before_residual)
+        if aux_layer_ids is not None:
+            cfg["eagle_config"] = dict(eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
+                                       use_aux_hidden_state=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     save_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
     return out_dir
+
+
+def _speculators_config(llama: dict, draft_vocab_size: int, norm_before_residual: bool,
+                        aux_layer_ids: list[int] | None, architecture: str) -> dict:
+    """config.json of a speculators EAGLE-3 draft, laid out as speculators 0.9.0 writes it."""
+    layer = {k: v for k, v in llama.items() if k not in ("rope_theta", "torch_dtype")}
+    layer.update(num_hidden_layers=1, mlp_bias=False, attention_bias=False,
+                 rope_parameters=dict(rope_theta=llama["rope_theta"], rope_type="default"))
+    return dict(
+        architectures=[architecture],
+        speculators_model_type="eagle3",
+        transformer_layer_config=layer,
+        draft_vocab_size=draft_vocab_size,
+        norm_before_residual=norm_before_residual,
+        norm_before_fc=False, fc_norm=False, norm_output=False, embed_requires_grad=False,
+        target_hidden_size=None,
+        eagle_aux_hidden_state_layer_ids=None if aux_layer_ids is None else list(aux_layer_ids),
+        tie_word_embeddings=False,
+        dtype="float32",
+        speculators_config=dict(
+            algorithm="eagle3",
+            default_proposal_method="greedy",
+            proposal_methods=[dict(accept_tolerance=0.0, proposal_type="greedy",
+                                   speculative_tokens=3, verifier_accept_k=1)],
+            verifier=dict(architectures=["LlamaForCausalLM"], name_or_path="tiny-target")),
+        speculators_version="0.9.0",
+    )
 
 
 def write_tiny_eagle1_draft(out_dir: str, target_dir: str, *, seed: int = 0,

@@ -6,7 +6,8 @@ Run directory (``TrainConfig.out``)::
     checkpoints/step_XXXXXXX/ state.safetensors (params + optimizer state) + meta.json
                               (step, rng key, data order seed)
     metrics.jsonl             one line per log / evaluation
-    draft/                    the final draft in the published layout (``save_draft``)
+    draft/                    the final draft in the published layout (``save_draft``):
+                              ``checkpoint_format`` "sglang" or "speculators" (vLLM's)
 
 The step is one ``jax.jit`` over a Mesh with a 'data' axis spanning the local devices:
 the batch is sharded over 'data', parameters and optimizer state are replicated, and
@@ -51,7 +52,13 @@ from tqdm.auto import tqdm
 
 from eagle_jax.config import resolve_dtype
 from eagle_jax.models.draft import new_draft
-from eagle_jax.models.draft_config import EAGLE, EAGLE3, DraftConfig
+from eagle_jax.models.draft_config import (
+    CHECKPOINT_FORMATS,
+    EAGLE,
+    EAGLE3,
+    SPECULATORS,
+    DraftConfig,
+)
 from eagle_jax.models.draft_checkpoint import save_draft
 from eagle_jax.train import common
 from eagle_jax.train import data as data_lib
@@ -105,7 +112,9 @@ class TrainConfig:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     max_position_embeddings: int | None = None
-    aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3: layer OUTPUT ids (published)
+    aux_layer_ids: tuple[int, ...] | None = None  # EAGLE-3: layer OUTPUT ids (sglang's)
+    # layout of the saved draft: "sglang" or "speculators" (EAGLE-3, own LM head)
+    checkpoint_format: str = "sglang"
 
 
 # ----------------------------------------------------------------------------- setup
@@ -199,6 +208,14 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"lm_head must be 'own' or 'target', got {cfg.lm_head!r}")
     if cfg.lm_head == "target" and cfg.algorithm != EAGLE3:
         raise ValueError("lm_head='target' is for EAGLE3 (EAGLE-1 always borrows the target's head)")
+    if cfg.checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}, "
+                         f"got {cfg.checkpoint_format!r}")
+    if cfg.checkpoint_format == SPECULATORS and (cfg.algorithm != EAGLE3
+                                                 or cfg.lm_head != "own"):
+        raise ValueError("checkpoint_format='speculators' is for EAGLE3 drafts with their own "
+                         "LM head (the layout always carries lm_head.weight): use "
+                         "algorithm='EAGLE3', lm_head='own', or checkpoint_format='sglang'")
     soft = cfg.label_mode == "soft"
     own_head = cfg.lm_head == "own"
     os.makedirs(cfg.out, exist_ok=True)
@@ -341,7 +358,9 @@ def train(cfg: TrainConfig) -> dict:
 
     final = nnx.merge(graphdef, jax.device_get(params), jax.device_get(rest))
     draft_dir = os.path.join(cfg.out, "draft")
-    save_draft(final, draft_dir, write_target_head=own_head)
+    save_draft(final, draft_dir, checkpoint_format=cfg.checkpoint_format,
+               verifier=cfg.target if cfg.checkpoint_format == SPECULATORS else None,
+               write_target_head=own_head)
     last = history[-1] if history else {}
     first = initial or {}
     return dict(step=max(start, end), initial_eval_acc=first.get("eval_acc"),
