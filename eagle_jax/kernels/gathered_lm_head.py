@@ -36,7 +36,8 @@ def gathered_lm_head_reference(hidden, row_indices, weight):
   return jnp.dot(hidden[rows], weight.T, preferred_element_type=jnp.float32)
 
 
-def _block_sizes(batch: int, block_v: int | None, block_k: int | None):
+def _block_sizes(batch: int, gpu: _common.GpuTarget, block_v: int | None = None,
+                 block_k: int | None = None):
   """(BLOCK_B, BLOCK_V, BLOCK_K, num_warps, num_stages).
 
   BLOCK_B covers the whole decode batch (>= 16, the smallest tensor-core dot edge) up
@@ -78,11 +79,12 @@ def _lm_head_kernel(rows_ref, h_ref, w_ref, o_ref, *, num_sel, num_rows, vocab, 
               mask=sel_ok[:, None] & v_ok[None, :])
 
 
-def _gathered_lm_head_pallas(hidden, row_indices, weight, *, interpret, block_v, block_k):
+def _gathered_lm_head_pallas(hidden, row_indices, weight, *, interpret, gpu, block_v, block_k):
   num_rows, hidden_size = hidden.shape
   vocab = weight.shape[0]
   num_sel = row_indices.shape[0]
-  block_b, block_v, block_k, num_warps, num_stages = _block_sizes(num_sel, block_v, block_k)
+  block_b, block_v, block_k, num_warps, num_stages = _block_sizes(
+      num_sel, gpu, block_v, block_k)
   kernel = functools.partial(
       _lm_head_kernel, num_sel=num_sel, num_rows=num_rows, vocab=vocab,
       hidden_size=hidden_size, block_b=block_b, block_v=block_v, block_k=block_k)
@@ -98,7 +100,7 @@ def _gathered_lm_head_pallas(hidden, row_indices, weight, *, interpret, block_v,
 
 def gathered_lm_head(
     hidden: jax.Array, row_indices: jax.Array, weight: jax.Array, *,
-    interpret: bool | None = None, block_v: int | None = None,
+    interpret: bool | None = None, target: str | None = None, block_v: int | None = None,
     block_k: int | None = None) -> jax.Array:
   """Logits of the selected rows: ``hidden[row_indices] @ weight.T`` in float32.
 
@@ -107,6 +109,8 @@ def gathered_lm_head(
     row_indices: [B] int32 rows of hidden to project (clamped to [0, N-1]).
     weight: [V, H], same dtype as hidden.
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
+    target: the GPU to pick block sizes for (a key of ``_common.GPU_TARGETS``); None =
+      automatic (``_common.resolve_target``).
     block_v, block_k: override the heuristic (powers of two, >= 16).
   Returns:
     [B, V] float32 logits.
@@ -124,4 +128,4 @@ def gathered_lm_head(
     return gathered_lm_head_reference(hidden, row_indices, weight)
   return _gathered_lm_head_pallas(
       hidden, row_indices, weight, interpret=_common.resolve_interpret(interpret),
-      block_v=block_v, block_k=block_k)
+      gpu=_common.resolve_target(target), block_v=block_v, block_k=block_k)

@@ -200,9 +200,9 @@ class PagedAttentionConfig(NamedTuple):
   combine_warps: int  # of the combine kernel (one [splits, D] tile per program)
 
 
-def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_q=None,
-                 block_n=None, num_splits=None, min_split=None, num_warps=None,
-                 num_stages=None) -> PagedAttentionConfig:
+def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
+                 gpu: _common.GpuTarget, block_q=None, block_n=None, num_splits=None,
+                 min_split=None, num_warps=None, num_stages=None) -> PagedAttentionConfig:
   """Tile sizes, splits and launch parameters; every argument left None is heuristic.
 
   BLOCK_Q = T * G rounded up to a power of two, at least 16 (the smallest tensor-core
@@ -255,12 +255,14 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_
                               combine_warps)
 
 
-def paged_attention_config(q, k_pages, page_table, **tuning) -> PagedAttentionConfig:
+def paged_attention_config(q, k_pages, page_table, *, target=None,
+                           **tuning) -> PagedAttentionConfig:
   """The configuration ``paged_attention`` picks for these shapes (arrays or
-  ShapeDtypeStructs) and tuning overrides; for benchmarks and logs."""
+  ShapeDtypeStructs), GPU target and tuning overrides; for benchmarks and logs."""
   b, t, n, d = q.shape
   _, page_size, k, _ = k_pages.shape
-  return _block_sizes(b, t, n // k, d, k, page_table.shape[1] * page_size, **tuning)
+  return _block_sizes(b, t, n // k, d, k, page_table.shape[1] * page_size,
+                      gpu=_common.resolve_target(target), **tuning)
 
 
 # --------------------------------------------------------------------------------------
@@ -497,6 +499,7 @@ def paged_attention(
     block_mask=None,  # [B, T, T] bool or None
     sm_scale=None,
     interpret=None,
+    target=None,
     block_q=None,
     block_n=None,
     num_splits=None,
@@ -519,6 +522,8 @@ def paged_attention(
       t sees block key u iff block_mask[b, t, u] (keys before the block: always).
     sm_scale: score scale, None = 1 / sqrt(D).
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
+    target: the GPU to pick block sizes for (a key of ``_common.GPU_TARGETS``); None =
+      automatic (``_common.resolve_target``).
     block_q, block_n, num_splits, min_split, num_warps, num_stages: override the
       heuristic (see ``_block_sizes``), for tests and benchmarks.
   Returns:
@@ -536,9 +541,10 @@ def paged_attention(
   if not supported:
     return paged_attention_reference(q, k_pages, v_pages, page_table, kv_len, q_len,
                                      block_mask=block_mask, sm_scale=sm_scale)
-  cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size, block_q=block_q,
-                     block_n=block_n, num_splits=num_splits, min_split=min_split,
-                     num_warps=num_warps, num_stages=num_stages)
+  cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size,
+                     gpu=_common.resolve_target(target), block_q=block_q, block_n=block_n,
+                     num_splits=num_splits, min_split=min_split, num_warps=num_warps,
+                     num_stages=num_stages)
   return _paged_attention_pallas(
       q, k_pages, v_pages, page_table, kv_len, q_len, block_mask,
       scale=_scale(sm_scale, d), interpret=_common.resolve_interpret(interpret), cfg=cfg)
