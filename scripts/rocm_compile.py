@@ -126,9 +126,9 @@ def _norm_concat(m: ModelShape, target: str):
   return fn, [S((rows, m.hidden), bf16)] * 2 + [S((m.hidden,), bf16)] * 2
 
 
-def _lm_head(m: ModelShape, target: str, batch: int):
+def _lm_head(m: ModelShape, target: str, batch: int, rows: int):
   fn = lambda h, r, w: gathered_lm_head(h, r, w, interpret=False, target=target)
-  return fn, [S((batch, m.hidden), bf16), S((batch,), i32), S((m.draft_vocab, m.hidden), bf16)]
+  return fn, [S((batch, m.hidden), bf16), S((batch,), i32), S((rows, m.hidden), bf16)]
 
 
 def _attention(m: ModelShape, target: str, batch: int, tokens: int, table: int,
@@ -151,11 +151,15 @@ CASES = {
     f"sampler, greedy draft (one-hot q), B={BATCH}": lambda m, t: _sampler(m, t, False),
     f"draft proposal, B={BATCH}": _proposal,
     f"norm-concat, {BATCH * (STEPS + 1)} rows": _norm_concat,
-    f"gathered LM head, B={BATCH}": lambda m, t: _lm_head(m, t, BATCH),
-    "gathered LM head, B=8": lambda m, t: _lm_head(m, t, 8),
+    f"gathered LM head, B={BATCH}": lambda m, t: _lm_head(m, t, BATCH, m.draft_vocab),
+    "gathered LM head, B=8": lambda m, t: _lm_head(m, t, 8, m.draft_vocab),
+    f"gathered LM head, EAGLE-1 (target vocabulary), B={BATCH}":
+        lambda m, t: _lm_head(m, t, BATCH, m.vocab),
     f"attention decode, B={BATCH}": lambda m, t: _attention(m, t, BATCH, 1, TABLE),
     f"attention verify T={STEPS + 1}, B={BATCH}":
         lambda m, t: _attention(m, t, BATCH, STEPS + 1, TABLE),
+    f"attention verify T={STEPS + 1}, B=8 (split-K)":
+        lambda m, t: _attention(m, t, 8, STEPS + 1, TABLE),
     f"attention tree verify T={STEPS + 1}, B={BATCH}":
         lambda m, t: _attention(m, t, BATCH, STEPS + 1, TABLE, tree=True),
     f"attention prefill chunk {PREFILL}, B=1": lambda m, t: _attention(m, t, 1, PREFILL, TABLE),
@@ -370,7 +374,8 @@ def failures(rows) -> list[str]:
 
 
 def _line(r) -> str:
-  head = f"{r['model']} | {r['case']} | {r['kernel']} | {r['arch']} | w{r['num_warps']} s{r['num_stages']}"
+  head = (f"{r['model']} | {r['case']} | {r['kernel']} | {r['arch']} | "
+          f"w{r['num_warps']} s{r['num_stages']}")
   if "error" in r:
     return f"{head} | ERROR {r['error']}"
   if "regs" in r:
@@ -385,27 +390,22 @@ def table(rows) -> str:
   """Markdown: one line per (model, case, kernel), the AMD architectures side by side."""
   rows = [r for r in rows if r["arch"].startswith("gfx")]
   archs = list(dict.fromkeys(r["arch"] for r in rows))
-  head = ["model", "case", "kernel", "warps, stages"]
-  for a in archs:
-    head.append(f"{a}: VGPR / SGPR / spills / LDS / waves per SIMD")
+  head = ["model", "case", "kernel"] + [
+      f"{a}: warps, stages: VGPR / SGPR / spills / LDS / waves per SIMD" for a in archs]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  keys = list(dict.fromkeys((r["model"], r["case"], r["kernel"]) for r in rows))
   by_key = {(r["model"], r["case"], r["kernel"], r["arch"]): r for r in rows}
-  for key in keys:
-    cells = list(key)
-    launch = {(by_key[(*key, a)]["num_warps"], by_key[(*key, a)]["num_stages"]) for a in archs}
-    cells.append(", ".join(f"{w}, {s}" for w, s in sorted(launch)))
-    for a in archs:
-      r = by_key[(*key, a)]
-      if "error" in r:
-        cells.append("does not compile")
-        continue
-      lim = "" if r["limiter"] == "max" else f" ({r['limiter']})"
-      warps = f" [w{r['num_warps']}]" if len(launch) > 1 else ""
-      cells.append(f"{r['vgpr']} / {r['sgpr']} / {r['vgpr_spill'] + r['sgpr_spill']} / "
-                   f"{r['lds']} / {r['waves']}{lim}{warps}")
-    lines.append("| " + " | ".join(cells) + " |")
+  for key in dict.fromkeys((r["model"], r["case"], r["kernel"]) for r in rows):
+    lines.append("| " + " | ".join([*key, *(cell(by_key[(*key, a)]) for a in archs)]) + " |")
   return "\n".join(lines)
+
+
+def cell(r) -> str:
+  """One kernel on one target: launch, then VGPR / SGPR / spills / LDS / waves (limiter)."""
+  if "error" in r:
+    return "does not compile"
+  limiter = "" if r["limiter"] == "max" else f" ({r['limiter']})"
+  return (f"w{r['num_warps']} s{r['num_stages']}: {r['vgpr']} / {r['sgpr']} / "
+          f"{r['vgpr_spill'] + r['sgpr_spill']} / {r['lds']} / {r['waves']}{limiter}")
 
 
 def write_doc(text: str, path: Path = DOC) -> None:

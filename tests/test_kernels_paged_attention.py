@@ -114,6 +114,9 @@ CASES = {
                            dict(num_splits=8, min_split=32, block_n=32)),
     "chunk_splits_tiles_f32": ([40, 130, 0], [40, 33, 0], 40, 4, 1, 64, f32,
                                dict(block_q=32, num_splits=3, min_split=16, block_n=16)),
+    # The heuristic's choices for an MI300X (32-key tiles) over a short table.
+    "verify_gfx942_bf16": ([6, 33, 64, 190], [6, 6, 4, 6], 6, 8, 2, 128, bf16,
+                           dict(target="gfx942")),
 }
 
 

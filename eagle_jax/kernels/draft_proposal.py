@@ -72,8 +72,13 @@ def _block_size(draft_vocab: int, gpu: _common.GpuTarget,
   """(BLOCK, num_warps): 2048 float32 columns per masked load at 8 warps (8 per thread).
 
   One program per row walks the (small: 32000 for EAGLE-3 heads) draft vocabulary; the
-  batch supplies the parallelism.
+  batch supplies the parallelism. The same on every target: B <= 128 programs is fewer
+  than an MI300X's or MI355X's CUs, so each CU runs one workgroup, and its 8 wavefronts
+  (2 per SIMD, 4 columns per lane) are all that hide the loop's latency; 4 would halve
+  the loads in flight. Compiled for gfx942 / gfx950 (docs/ROCM.md): 40-41 VGPRs and
+  16 KiB of LDS (the scan), no spills, 8 waves per SIMD allowed.
   """
+  del gpu  # the same choice on every target (above)
   block = block_v or min(2048, max(32, _common.next_power_of_2(draft_vocab)))
   return block, 8 if block >= 1024 else 4
 

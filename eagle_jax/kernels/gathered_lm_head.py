@@ -36,19 +36,38 @@ def gathered_lm_head_reference(hidden, row_indices, weight):
   return jnp.dot(hidden[rows], weight.T, preferred_element_type=jnp.float32)
 
 
-def _block_sizes(batch: int, gpu: _common.GpuTarget, block_v: int | None = None,
-                 block_k: int | None = None):
+def _block_sizes(batch: int, vocab: int, itemsize: int, gpu: _common.GpuTarget,
+                 block_v: int | None = None, block_k: int | None = None):
   """(BLOCK_B, BLOCK_V, BLOCK_K, num_warps, num_stages).
 
   BLOCK_B covers the whole decode batch (>= 16, the smallest tensor-core dot edge) up
-  to 64, so each weight tile is read once for all selected rows. BLOCK_V = 128 gives
-  ~1000 programs for a 128k vocabulary (several waves on 132 SMs), and the
-  [BLOCK_B, BLOCK_V] float32 accumulator stays in registers (<= 64 per thread at 4
-  warps). BLOCK_K = 64 bf16 = 128-byte rows per load; 4 pipeline stages keep ~4 weight
-  tiles (64 KiB) in flight per program, which is what a weight-streaming matmul needs.
+  to 64, so each weight tile is read once for all selected rows. BLOCK_K = 64 = 128-byte
+  bf16 rows per load; 4 warps (on AMD one wavefront per SIMD of the CU).
+
+  NVIDIA: BLOCK_V = 128 gives 250 programs for EAGLE-3's 32000-row head (~1000 for a
+  128k vocabulary), about 2 per SM of an H200, and the [BLOCK_B, BLOCK_V] float32
+  accumulator stays in registers (115 at B = 64, scripts/rocm_compile.py --arch sm_90);
+  4 pipeline stages keep 3 weight tiles in flight per program (96 KiB of shared memory
+  at B = 64), which is what a weight-streaming matmul needs.
+
+  AMD: the same 250 programs would leave CUs idle (MI300X has 304, MI355X 256), so
+  BLOCK_V halves to 64 while 128 gives fewer programs than CUs: 500 programs, 1.6-2
+  per CU. With about 2 programs per CU, 2 resident workgroups hold the whole grid, and
+  what is left of the LDS goes to pipeline depth: num_stages = 1 + LDS / (2 x one stage's
+  tiles), at most 4. Compiled at B = 64, bf16: the former 128 x 4 stages needed 72 KiB of
+  LDS on gfx942, more than its 64 KiB (it could not launch); 64 x 3 stages take 32 KiB
+  on gfx942 and 64 x 4 stages 66 KiB of gfx950's 160 KiB, 72-94 VGPRs, 2 workgroups per
+  CU, no spills (docs/ROCM.md).
   """
   block_b = min(64, max(16, _common.next_power_of_2(batch)))
-  return block_b, block_v or 128, block_k or 64, 4, 4
+  block_k = block_k or 64
+  if gpu.platform == "cuda":
+    return block_b, block_v or 128, block_k, 4, 4
+  programs_at_128 = _common.cdiv(vocab, 128) * _common.cdiv(batch, block_b)
+  block_v = block_v or (128 if programs_at_128 >= gpu.num_cores else 64)
+  stage_bytes = (block_b + block_v) * block_k * itemsize
+  num_stages = max(1, min(4, 1 + gpu.shared_bytes // (2 * stage_bytes)))
+  return block_b, block_v, block_k, 4, num_stages
 
 
 def _lm_head_kernel(rows_ref, h_ref, w_ref, o_ref, *, num_sel, num_rows, vocab, hidden_size,
@@ -84,7 +103,7 @@ def _gathered_lm_head_pallas(hidden, row_indices, weight, *, interpret, gpu, blo
   vocab = weight.shape[0]
   num_sel = row_indices.shape[0]
   block_b, block_v, block_k, num_warps, num_stages = _block_sizes(
-      num_sel, gpu, block_v, block_k)
+      num_sel, vocab, weight.dtype.itemsize, gpu, block_v, block_k)
   kernel = functools.partial(
       _lm_head_kernel, num_sel=num_sel, num_rows=num_rows, vocab=vocab,
       hidden_size=hidden_size, block_b=block_b, block_v=block_v, block_k=block_k)

@@ -47,7 +47,12 @@ def _block_h(hidden_size: int, gpu: _common.GpuTarget) -> tuple[int, int]:
   A single block keeps each row in registers between the reduction and the scaled
   store, so every input byte is read exactly once. Warps scale with the row so that a
   thread holds 8-16 values per input (e.g. H = 4096: 8 warps, 16 values).
+  The same warps on AMD (8-16 bf16 values per lane of a 64-wide wavefront at H = 4096 to
+  8192): the grid is one program per row, B rows in a decode step, fewer than the CUs,
+  so a workgroup's own waves are what hide its load. Compiled for gfx942 / gfx950
+  (docs/ROCM.md): 27-40 VGPRs, no spills, 8 waves per SIMD allowed.
   """
+  del gpu  # the same choice on every target (above)
   block = max(32, _common.next_power_of_2(hidden_size))
   num_warps = min(8, max(1, block // 512))
   return block, num_warps

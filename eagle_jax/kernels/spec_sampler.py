@@ -88,6 +88,10 @@ PAD_TOKEN = -1
 # Index larger than any vocabulary column: the identity of a "first index" min.
 _NO_INDEX = 1 << 30
 
+# The batch CHUNK is sized for (see _block_sizes): 64 sampling rows, 152064 columns.
+_SIZING_ROWS = 64
+_SIZING_VOCAB = 152064
+
 # Row flags passed to the kernels (one int32 per row).
 _ACTIVE = 1
 _GREEDY = 2
@@ -122,16 +126,28 @@ def _block_sizes(vocab_size: int, gpu: _common.GpuTarget, block_v: int | None = 
   """BLOCK and CHUNK: the load width and the columns one program of kernel 1 owns.
 
   BLOCK = 2048 float32 columns per masked load: with 8 warps that is 8 elements per
-  thread per operand (two 128-bit loads), enough in flight to hide HBM latency without
-  spilling. CHUNK = 16384 columns (8 loads): a 152064-wide vocabulary splits into 10
+  thread per operand on NVIDIA (two 128-bit loads), 4 per lane of AMD's 64-wide
+  wavefronts (one 128-bit load), enough in flight to hide HBM latency without spilling.
+  CHUNK = 16384 columns (8 loads) on the H200: a 152064-wide vocabulary splits into 10
   chunks, so even a batch of 64 sampling rows, each needing one position, gives 640
-  busy programs (about 5 per SM on an H200), while the finish kernel re-reads at most
-  one 64 KiB chunk per row. Both shrink to the next power of two above a small vocab.
+  busy programs (about 5 per SM), while the finish kernel re-reads at most one 64 KiB
+  chunk per row. On a GPU with more cores CHUNK halves (not below 4096) until that batch
+  gives >= 4 busy programs per core: 8192 on MI300X (304 CUs) and MI355X (256), 1216
+  busy programs. Compiled for gfx942 / gfx950 (docs/ROCM.md) both kernels take 18-56
+  VGPRs and 32-64 bytes of LDS: 8 waves per SIMD, so a CU can hold 4 workgroups of 8
+  wavefronts, which 16384-column chunks (1.7-2.5 busy programs per CU) left half empty.
+  8 warps on AMD too: with so few busy programs per CU, a workgroup's 2 waves per SIMD
+  are most of what hides its latency. Both BLOCK and CHUNK shrink to the next power of
+  two above a small vocab.
   3 pipeline stages in the vocabulary loop: measured best on an H200 (0.069 ms against
   0.105 ms at 2 for 64 sampling rows, docs/BENCHMARKS.md).
   """
   block = block_v or min(2048, _common.next_power_of_2(vocab_size))
-  chunk = chunk_v or min(16384, max(block, _common.next_power_of_2(vocab_size)))
+  max_chunk = 16384
+  while (max_chunk > 4096 and _SIZING_ROWS * _common.cdiv(_SIZING_VOCAB, max_chunk)
+         < 4 * gpu.num_cores):
+    max_chunk //= 2
+  chunk = chunk_v or min(max_chunk, max(block, _common.next_power_of_2(vocab_size)))
   if block & (block - 1) or chunk & (chunk - 1) or chunk % block:
     raise ValueError(f"block {block} and chunk {chunk} must be powers of two, block | chunk")
   return SamplerConfig(block, chunk, 8, num_stages or 3)
