@@ -2,6 +2,8 @@
 
 Every kernel in this package is written for Pallas' Triton path, so one source
 compiles for CUDA and ROCm, and runs in Pallas interpret mode on a CPU (tests, CI).
+Its block-size heuristic takes the ``GpuTarget`` it compiles for (``resolve_target``):
+wavefront 64 and the CU's LDS on AMD, warp 32 and the SM's shared memory on NVIDIA.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def compiled_kernels(target: str | None = None):
   For exporting the engine step for ``platforms=["rocm"]`` / ``["cuda"]`` from a CPU
   machine (the kernels deep inside the step are called with ``interpret=None``).
   ``target`` (a key of ``GPU_TARGETS``) is the GPU whose block sizes the kernels called
-  with ``target=None`` pick; None keeps the automatic choice (``resolve_target``).
+  with ``target=None`` pick; None keeps an enclosing block's target, else the automatic
+  choice (``resolve_target``).
   """
   global _FORCE_COMPILED, _FORCED_TARGET
   if target is not None:
