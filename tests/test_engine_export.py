@@ -1,8 +1,8 @@
 """The jitted engine step lowers for ROCm and CUDA from this CPU machine.
 
-The kernels inside the step are forced onto their compiled Triton path
-(``compiled_kernels``), so the exported module carries the same Triton custom calls an
-MI300 / MI355X or an NVIDIA GPU would compile.
+The kernels inside the step are forced onto their compiled Triton path, with the block
+sizes of a GPU of that platform (``compiled_kernels(target=)``), so the exported module
+carries the same Triton custom calls an MI300X / MI355X or an NVIDIA GPU would compile.
 """
 
 import jax
@@ -26,9 +26,9 @@ def engine(tmp_path_factory):
         batch_buckets=(4,), prefill_buckets=(16,), compilation_cache_dir="", precompile=False))
 
 
-@pytest.mark.parametrize("platform", ["rocm", "cuda"])
-def test_spec_step_exports_with_triton_kernels(engine, platform):
-    with compiled_kernels():
+@pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
+def test_spec_step_exports_with_triton_kernels(engine, platform, target):
+    with compiled_kernels(target=target):
         exported = jax.export.export(
             jax.jit(engine.step_function(4), donate_argnums=(2,)), platforms=[platform],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],

@@ -1,14 +1,16 @@
 """Every Pallas kernel lowers through the Triton path for CUDA and ROCm on a CPU machine.
 
 jax.export needs the Triton custom call allowed explicitly: it carries no
-serialisation-compatibility guarantee (the kernel IR is embedded in the module).
+serialisation-compatibility guarantee (the kernel IR is embedded in the module). Each
+platform's export picks that platform's block sizes (``compiled_kernels(target=)``);
+tests/test_rocm_compile.py compiles the ROCm IR for gfx950 and gfx942.
 """
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from eagle_jax.kernels._common import TRITON_CUSTOM_CALL
+from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.gathered_lm_head import gathered_lm_head
 from eagle_jax.kernels.norm_concat import rmsnorm_concat
@@ -18,6 +20,8 @@ from eagle_jax.sampling import SamplingRows
 
 S = jax.ShapeDtypeStruct
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+
+TARGETS = {"cuda": "sm_90", "rocm": "gfx942"}
 
 CASES = {
     "speculative_sample": (
@@ -60,9 +64,10 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_exports_triton_kernel(name, platform):
   fn, args, num_calls = CASES[name]
-  exported = jax.export.export(
-      jax.jit(fn), platforms=[platform],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*args)
+  with compiled_kernels(target=TARGETS[platform]):
+    exported = jax.export.export(
+        jax.jit(fn), platforms=[platform],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*args)
   text = exported.mlir_module()
   assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") == num_calls
 

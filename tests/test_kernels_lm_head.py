@@ -7,14 +7,17 @@ import pytest
 from eagle_jax.kernels.gathered_lm_head import gathered_lm_head, gathered_lm_head_reference
 
 
-@pytest.mark.parametrize("num_rows,batch,hidden,vocab,dtype", [
-    (4, 1, 64, 1000, jnp.float32), (12, 5, 64, 1531, jnp.bfloat16), (40, 20, 96, 1000, jnp.bfloat16)])
-def test_matches_reference(num_rows, batch, hidden, vocab, dtype):
+@pytest.mark.parametrize("num_rows,batch,hidden,vocab,dtype,tuning", [
+    (4, 1, 64, 1000, jnp.float32, dict(block_v=128, block_k=32)),
+    (12, 5, 64, 1531, jnp.bfloat16, dict(block_v=128, block_k=32)),
+    (40, 20, 96, 1000, jnp.bfloat16, dict(block_v=128, block_k=32)),
+    (12, 5, 96, 1531, jnp.bfloat16, dict(target="gfx942"))])  # AMD: 64-column tiles
+def test_matches_reference(num_rows, batch, hidden, vocab, dtype, tuning):
   rng = np.random.default_rng(vocab + batch)
   h = jnp.asarray(rng.standard_normal((num_rows, hidden)), dtype)
   w = jnp.asarray(rng.standard_normal((vocab, hidden)) * 0.1, dtype)
   rows = jnp.asarray(rng.integers(0, num_rows, batch), jnp.int32)
-  out = gathered_lm_head(h, rows, w, block_v=128, block_k=32)
+  out = gathered_lm_head(h, rows, w, **tuning)
   ref = gathered_lm_head_reference(h, rows, w)
   assert out.shape == (batch, vocab) and out.dtype == jnp.float32
   np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)

@@ -9,6 +9,7 @@ partial buffers are poisoned too: Pallas interpret mode fills them with NaN, so 
 that no program writes shows up as NaN.
 """
 
+import functools
 import importlib
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle_jax.kernels._common import GPU_TARGETS
 from eagle_jax.kernels.paged_attention import paged_attention, paged_attention_reference
 
 # The package exports the function under the module's name.
@@ -112,6 +114,9 @@ CASES = {
                            dict(num_splits=8, min_split=32, block_n=32)),
     "chunk_splits_tiles_f32": ([40, 130, 0], [40, 33, 0], 40, 4, 1, 64, f32,
                                dict(block_q=32, num_splits=3, min_split=16, block_n=16)),
+    # The heuristic's choices for an MI300X (32-key tiles) over a short table.
+    "verify_gfx942_bf16": ([6, 33, 64, 190], [6, 6, 4, 6], 6, 8, 2, 128, bf16,
+                           dict(target="gfx942")),
 }
 
 
@@ -217,7 +222,7 @@ def test_unsupported_dtype_falls_back_to_reference():
 
 
 def test_heuristic():
-  bs = pa_mod._block_sizes
+  bs = functools.partial(pa_mod._block_sizes, gpu=GPU_TARGETS["sm_90"])
   # Decode, B=1 over a 32k table: many splits; B=64 (512 programs): none.
   assert bs(1, 1, 4, 128, 8, 32768).num_splits == 64
   assert bs(64, 1, 4, 128, 8, 32768).num_splits == 1
@@ -240,7 +245,7 @@ def test_heuristic():
 def test_splits_follow_the_live_length():
   """With S static splits, a sequence uses cdiv(kv_len, split_len) of them: one for a
   short sequence (no partials, no combine work), all S for a long one."""
-  cfg = pa_mod._block_sizes(1, 1, 4, 128, 8, 32768)  # decode B=1: 64 splits
+  cfg = pa_mod._block_sizes(1, 1, 4, 128, 8, 32768, gpu=GPU_TARGETS["sm_90"])  # 64 splits
   kv = jnp.asarray([0, 1, 128, 256, 257, 4096, 32768, 32767], jnp.int32)
   split_len = pa_mod._split_len(kv, num_splits=cfg.num_splits, min_split=cfg.min_split,
                                 block_n=cfg.block_n)

@@ -2,11 +2,14 @@
 
 Every kernel in this package is written for Pallas' Triton path, so one source
 compiles for CUDA and ROCm, and runs in Pallas interpret mode on a CPU (tests, CI).
+Its block-size heuristic takes the ``GpuTarget`` it compiles for (``resolve_target``):
+wavefront 64 and the CU's LDS on AMD, warp 32 and the SM's shared memory on NVIDIA.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import jax
 
@@ -20,24 +23,96 @@ TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 _KERNEL_BACKENDS = ("cpu", "gpu", "cuda", "rocm")
 
 
+class GpuTarget(NamedTuple):
+  """What the block-size heuristics know of the GPU a kernel is compiled for."""
+
+  name: str          # "gfx942" (MI300X, CDNA3), "gfx950" (MI355X, CDNA4), "sm_90" (H100/H200)
+  platform: str      # "rocm" or "cuda": the platform JAX lowers the kernel for
+  warp_size: int     # threads per warp: a wavefront of 64 on CDNA, 32 on NVIDIA
+  shared_bytes: int  # LDS per CU (AMD) / shared memory per SM (NVIDIA)
+  num_cores: int     # CUs / SMs of the part the choices were made for
+
+
+GPU_TARGETS = {
+    "gfx942": GpuTarget("gfx942", "rocm", 64, 64 * 1024, 304),    # MI300X
+    "gfx950": GpuTarget("gfx950", "rocm", 64, 160 * 1024, 256),   # MI355X
+    "sm_90": GpuTarget("sm_90", "cuda", 32, 228 * 1024, 132),     # H200
+}
+# A process with no GPU (interpret mode on a CPU) tunes for sm_90, as JAX's Pallas
+# lowering itself assumes compute capability 9.0 when it finds no GPU.
+DEFAULT_TARGET = "sm_90"
+# A GPU of a family whose parts are not in GPU_TARGETS gets its family's entry.
+_FAMILY_TARGET = {"rocm": "gfx942", "cuda": "sm_90"}
+
 # Set by ``compiled_kernels()``: every kernel whose caller left ``interpret`` automatic
-# takes the compiled Triton path, so a whole model step can be lowered for a GPU on a CPU.
+# takes the compiled Triton path, so a whole model step can be lowered for a GPU on a CPU;
+# ``_FORCED_TARGET`` is then the GPU the heuristics tune for.
 _FORCE_COMPILED = False
+_FORCED_TARGET: str | None = None
 
 
 @contextlib.contextmanager
-def compiled_kernels():
+def compiled_kernels(target: str | None = None):
   """Within this block, kernels called with ``interpret=None`` lower to Triton.
 
   For exporting the engine step for ``platforms=["rocm"]`` / ``["cuda"]`` from a CPU
   machine (the kernels deep inside the step are called with ``interpret=None``).
+  ``target`` (a key of ``GPU_TARGETS``) is the GPU whose block sizes the kernels called
+  with ``target=None`` pick; None keeps an enclosing block's target, else the automatic
+  choice (``resolve_target``).
   """
-  global _FORCE_COMPILED
-  previous, _FORCE_COMPILED = _FORCE_COMPILED, True
+  global _FORCE_COMPILED, _FORCED_TARGET
+  if target is not None:
+    gpu_target(target)  # fail here on an unknown name, not deep inside the step
+  previous = _FORCE_COMPILED, _FORCED_TARGET
+  _FORCE_COMPILED, _FORCED_TARGET = True, target or _FORCED_TARGET
   try:
     yield
   finally:
-    _FORCE_COMPILED = previous
+    _FORCE_COMPILED, _FORCED_TARGET = previous
+
+
+def gpu_target(name: str) -> GpuTarget:
+  """The entry of GPU_TARGETS named ``name``; ValueError for another name."""
+  if name not in GPU_TARGETS:
+    raise ValueError(f"unknown GPU target {name!r}; known: {', '.join(GPU_TARGETS)}")
+  return GPU_TARGETS[name]
+
+
+def _device_target(device) -> GpuTarget:
+  """The GPU_TARGETS entry of a JAX GPU device: its architecture name (ROCm reports
+  ``gfx942[:sramecc+:xnack-]`` as ``compute_capability``, CUDA ``9.0``), else the part
+  named in ``device_kind``, else its family's entry."""
+  platform = "rocm" if device.platform == "rocm" or "AMD" in device.device_kind else "cuda"
+  arch = str(getattr(device, "compute_capability", "") or "").split(":")[0]
+  if platform == "cuda" and arch:
+    arch = "sm_" + arch.replace(".", "")
+  if arch in GPU_TARGETS:
+    return GPU_TARGETS[arch]
+  kind = device.device_kind.upper()
+  for part, name in (("MI300", "gfx942"), ("MI325", "gfx942"), ("MI350", "gfx950"),
+                     ("MI355", "gfx950"), ("H100", "sm_90"), ("H200", "sm_90")):
+    if part in kind:
+      return GPU_TARGETS[name]
+  return GPU_TARGETS[_FAMILY_TARGET[platform]]
+
+
+def resolve_target(target: str | None) -> GpuTarget:
+  """The GPU the block-size heuristics tune for.
+
+  An explicit name wins; then the target of an enclosing ``compiled_kernels(target=)``;
+  then the GPU this process runs on (``jax.devices()[0]``); with none (a CPU, interpret
+  mode), ``DEFAULT_TARGET``. Exporting for another platform than the local one therefore
+  names its target (``scripts/rocm_compile.py`` asks for gfx942 and gfx950 on a CPU).
+  """
+  if target is not None:
+    return gpu_target(target)
+  if _FORCED_TARGET is not None:
+    return gpu_target(_FORCED_TARGET)
+  device = jax.devices()[0]
+  if device.platform in ("gpu", "cuda", "rocm"):
+    return _device_target(device)
+  return gpu_target(DEFAULT_TARGET)
 
 
 def default_interpret() -> bool:

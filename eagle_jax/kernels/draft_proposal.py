@@ -67,12 +67,18 @@ def probs_row_ok(q: jax.Array) -> jax.Array:
   return entries_ok & (jnp.abs(total - 1.0) <= ROW_SUM_TOLERANCE)
 
 
-def _block_size(draft_vocab: int, block_v: int | None) -> tuple[int, int]:
+def _block_size(draft_vocab: int, gpu: _common.GpuTarget,
+                block_v: int | None = None) -> tuple[int, int]:
   """(BLOCK, num_warps): 2048 float32 columns per masked load at 8 warps (8 per thread).
 
   One program per row walks the (small: 32000 for EAGLE-3 heads) draft vocabulary; the
-  batch supplies the parallelism.
+  batch supplies the parallelism. The same on every target: B <= 128 programs is fewer
+  than an MI300X's or MI355X's CUs, so each CU runs one workgroup, and its 8 wavefronts
+  (2 per SIMD, 4 columns per lane) are all that hide the loop's latency; 4 would halve
+  the loads in flight. Compiled for gfx942 / gfx950 (docs/ROCM.md): 40-41 VGPRs and
+  16 KiB of LDS (the scan), no spills, 8 waves per SIMD allowed.
   """
+  del gpu  # the same choice on every target (above)
   block = block_v or min(2048, max(32, _common.next_power_of_2(draft_vocab)))
   return block, 8 if block >= 1024 else 4
 
@@ -175,7 +181,7 @@ def propose_from_probs_reference(q, greedy, uniform, *, d2t=None, target_vocab_s
 def propose_from_probs(
     q: jax.Array, greedy: jax.Array, uniform: jax.Array, *, d2t: jax.Array | None = None,
     target_vocab_size: int | None = None, interpret: bool | None = None,
-    block_v: int | None = None) -> DraftProposal:
+    target: str | None = None, block_v: int | None = None) -> DraftProposal:
   """Propose one draft token per row from its draft distribution q.
 
   Args:
@@ -186,6 +192,9 @@ def propose_from_probs(
     d2t: [V_draft] int32 offsets into the target vocabulary, or None.
     target_vocab_size: width of the returned q when d2t is given (required then).
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
+    target: the GPU to pick block sizes for (a key of ``_common.GPU_TARGETS``); None =
+      automatic (``_common.resolve_target``).
+    block_v: override the block-size heuristic (tests).
   Returns:
     DraftProposal: tokens [B] int32 target ids, probs [B, V_target] float32 (V_target =
     target_vocab_size with d2t, else V_draft), probs_ok [B] bool.
@@ -200,7 +209,7 @@ def propose_from_probs(
   if not supported:
     return propose_from_probs_reference(q, greedy, uniform, d2t=d2t,
                                         target_vocab_size=target_vocab_size)
-  block, num_warps = _block_size(q.shape[-1], block_v)
+  block, num_warps = _block_size(q.shape[-1], _common.resolve_target(target), block_v)
   width = q.shape[-1] if d2t is None else int(target_vocab_size)
   return _propose_pallas(
       jnp.asarray(greedy).astype(jnp.int32), jnp.asarray(uniform, jnp.float32),
@@ -212,14 +221,14 @@ def propose_draft_tokens(
     draft_logits: jax.Array, rows: SamplingRows, uniform: jax.Array, *,
     d2t: jax.Array | None = None, target_vocab_size: int | None = None,
     vocab_size: int | None = None, interpret: bool | None = None,
-    block_v: int | None = None) -> DraftProposal:
+    target: str | None = None, block_v: int | None = None) -> DraftProposal:
   """Propose one draft token per row from the draft's logits.
 
   Args:
     draft_logits: [B, V_draft] float.
     rows: the rows' sampling parameters ([B] each; greedy iff top_k <= 1).
     uniform: [B] float32 in [0, 1).
-    d2t, target_vocab_size: as in :func:`propose_from_probs`.
+    d2t, target_vocab_size, interpret, target, block_v: as in :func:`propose_from_probs`.
     vocab_size: real size of the draft vocabulary (<= V_draft); None means V_draft.
   Returns:
     DraftProposal (see :func:`propose_from_probs`).
@@ -227,7 +236,7 @@ def propose_draft_tokens(
   q = sampling_probs(draft_logits, rows, vocab_size)
   return propose_from_probs(q, rows.is_greedy, uniform, d2t=d2t,
                             target_vocab_size=target_vocab_size, interpret=interpret,
-                            block_v=block_v)
+                            target=target, block_v=block_v)
 
 
 def propose_draft_tokens_reference(draft_logits, rows: SamplingRows, uniform, *, d2t=None,

@@ -36,18 +36,38 @@ def gathered_lm_head_reference(hidden, row_indices, weight):
   return jnp.dot(hidden[rows], weight.T, preferred_element_type=jnp.float32)
 
 
-def _block_sizes(batch: int, block_v: int | None, block_k: int | None):
+def _block_sizes(batch: int, vocab: int, itemsize: int, gpu: _common.GpuTarget,
+                 block_v: int | None = None, block_k: int | None = None):
   """(BLOCK_B, BLOCK_V, BLOCK_K, num_warps, num_stages).
 
   BLOCK_B covers the whole decode batch (>= 16, the smallest tensor-core dot edge) up
-  to 64, so each weight tile is read once for all selected rows. BLOCK_V = 128 gives
-  ~1000 programs for a 128k vocabulary (several waves on 132 SMs), and the
-  [BLOCK_B, BLOCK_V] float32 accumulator stays in registers (<= 64 per thread at 4
-  warps). BLOCK_K = 64 bf16 = 128-byte rows per load; 4 pipeline stages keep ~4 weight
-  tiles (64 KiB) in flight per program, which is what a weight-streaming matmul needs.
+  to 64, so each weight tile is read once for all selected rows. BLOCK_K = 64 = 128-byte
+  bf16 rows per load; 4 warps (on AMD one wavefront per SIMD of the CU).
+
+  NVIDIA: BLOCK_V = 128 gives 250 programs for EAGLE-3's 32000-row head (~1000 for a
+  128k vocabulary), about 2 per SM of an H200, and the [BLOCK_B, BLOCK_V] float32
+  accumulator stays in registers (115 at B = 64, scripts/rocm_compile.py --arch sm_90);
+  4 pipeline stages keep 3 weight tiles in flight per program (96 KiB of shared memory
+  at B = 64), which is what a weight-streaming matmul needs.
+
+  AMD: the same 250 programs would leave CUs idle (MI300X has 304, MI355X 256), so
+  BLOCK_V halves to 64 while 128 gives fewer programs than CUs: 500 programs, 1.6-2
+  per CU. With about 2 programs per CU, 2 resident workgroups hold the whole grid, and
+  what is left of the LDS goes to pipeline depth: num_stages = 1 + LDS / (2 x one stage's
+  tiles), at most 4. Compiled at B = 64, bf16: the former 128 x 4 stages needed 72 KiB of
+  LDS on gfx942, more than its 64 KiB (it could not launch); 64 x 3 stages take 32 KiB
+  on gfx942 and 64 x 4 stages 66 KiB of gfx950's 160 KiB, 72-94 VGPRs, 2 workgroups per
+  CU, no spills (docs/ROCM.md).
   """
   block_b = min(64, max(16, _common.next_power_of_2(batch)))
-  return block_b, block_v or 128, block_k or 64, 4, 4
+  block_k = block_k or 64
+  if gpu.platform == "cuda":
+    return block_b, block_v or 128, block_k, 4, 4
+  programs_at_128 = _common.cdiv(vocab, 128) * _common.cdiv(batch, block_b)
+  block_v = block_v or (128 if programs_at_128 >= gpu.num_cores else 64)
+  stage_bytes = (block_b + block_v) * block_k * itemsize
+  num_stages = max(1, min(4, 1 + gpu.shared_bytes // (2 * stage_bytes)))
+  return block_b, block_v, block_k, 4, num_stages
 
 
 def _lm_head_kernel(rows_ref, h_ref, w_ref, o_ref, *, num_sel, num_rows, vocab, hidden_size,
@@ -78,11 +98,12 @@ def _lm_head_kernel(rows_ref, h_ref, w_ref, o_ref, *, num_sel, num_rows, vocab, 
               mask=sel_ok[:, None] & v_ok[None, :])
 
 
-def _gathered_lm_head_pallas(hidden, row_indices, weight, *, interpret, block_v, block_k):
+def _gathered_lm_head_pallas(hidden, row_indices, weight, *, interpret, gpu, block_v, block_k):
   num_rows, hidden_size = hidden.shape
   vocab = weight.shape[0]
   num_sel = row_indices.shape[0]
-  block_b, block_v, block_k, num_warps, num_stages = _block_sizes(num_sel, block_v, block_k)
+  block_b, block_v, block_k, num_warps, num_stages = _block_sizes(
+      num_sel, vocab, weight.dtype.itemsize, gpu, block_v, block_k)
   kernel = functools.partial(
       _lm_head_kernel, num_sel=num_sel, num_rows=num_rows, vocab=vocab,
       hidden_size=hidden_size, block_b=block_b, block_v=block_v, block_k=block_k)
@@ -98,7 +119,7 @@ def _gathered_lm_head_pallas(hidden, row_indices, weight, *, interpret, block_v,
 
 def gathered_lm_head(
     hidden: jax.Array, row_indices: jax.Array, weight: jax.Array, *,
-    interpret: bool | None = None, block_v: int | None = None,
+    interpret: bool | None = None, target: str | None = None, block_v: int | None = None,
     block_k: int | None = None) -> jax.Array:
   """Logits of the selected rows: ``hidden[row_indices] @ weight.T`` in float32.
 
@@ -107,6 +128,8 @@ def gathered_lm_head(
     row_indices: [B] int32 rows of hidden to project (clamped to [0, N-1]).
     weight: [V, H], same dtype as hidden.
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
+    target: the GPU to pick block sizes for (a key of ``_common.GPU_TARGETS``); None =
+      automatic (``_common.resolve_target``).
     block_v, block_k: override the heuristic (powers of two, >= 16).
   Returns:
     [B, V] float32 logits.
@@ -124,4 +147,4 @@ def gathered_lm_head(
     return gathered_lm_head_reference(hidden, row_indices, weight)
   return _gathered_lm_head_pallas(
       hidden, row_indices, weight, interpret=_common.resolve_interpret(interpret),
-      block_v=block_v, block_k=block_k)
+      gpu=_common.resolve_target(target), block_v=block_v, block_k=block_k)

@@ -41,13 +41,18 @@ def rmsnorm_concat_reference(embeds, hidden, w_embeds, w_hidden, eps_embeds, eps
        rmsnorm_reference(hidden, w_hidden, eps_hidden)], axis=-1)
 
 
-def _block_h(hidden_size: int) -> tuple[int, int]:
+def _block_h(hidden_size: int, gpu: _common.GpuTarget) -> tuple[int, int]:
   """(BLOCK_H, num_warps): the whole row in one masked load.
 
   A single block keeps each row in registers between the reduction and the scaled
   store, so every input byte is read exactly once. Warps scale with the row so that a
   thread holds 8-16 values per input (e.g. H = 4096: 8 warps, 16 values).
+  The same warps on AMD (8-16 bf16 values per lane of a 64-wide wavefront at H = 4096 to
+  8192): the grid is one program per row, B rows in a decode step, fewer than the CUs,
+  so a workgroup's own waves are what hide its load. Compiled for gfx942 / gfx950
+  (docs/ROCM.md): 27-40 VGPRs, no spills, 8 waves per SIMD allowed.
   """
+  del gpu  # the same choice on every target (above)
   block = max(32, _common.next_power_of_2(hidden_size))
   num_warps = min(8, max(1, block // 512))
   return block, num_warps
@@ -68,9 +73,9 @@ def _norm_concat_kernel(e_ref, h_ref, we_ref, wh_ref, o_ref, *, hidden_size, blo
   plgpu.store(o_ref.at[row, hidden_size + cols], normed(h_ref, wh_ref), mask=mask)
 
 
-def _rmsnorm_concat_pallas(embeds, hidden, w_embeds, w_hidden, eps, *, interpret):
+def _rmsnorm_concat_pallas(embeds, hidden, w_embeds, w_hidden, eps, *, interpret, gpu):
   num_rows, hidden_size = embeds.shape
-  block, num_warps = _block_h(hidden_size)
+  block, num_warps = _block_h(hidden_size, gpu)
   return pl.pallas_call(
       functools.partial(_norm_concat_kernel, hidden_size=hidden_size, block=block, eps=eps),
       out_shape=jax.ShapeDtypeStruct((num_rows, 2 * hidden_size), embeds.dtype),
@@ -83,7 +88,8 @@ def _rmsnorm_concat_pallas(embeds, hidden, w_embeds, w_hidden, eps, *, interpret
 
 def rmsnorm_concat(
     embeds: jax.Array, hidden: jax.Array, w_embeds: jax.Array, w_hidden: jax.Array,
-    eps_embeds: float, eps_hidden: float, *, interpret: bool | None = None) -> jax.Array:
+    eps_embeds: float, eps_hidden: float, *, interpret: bool | None = None,
+    target: str | None = None) -> jax.Array:
   """concat([rmsnorm(embeds, w_embeds), rmsnorm(hidden, w_hidden)], -1) in one pass.
 
   Args:
@@ -91,6 +97,8 @@ def rmsnorm_concat(
     w_embeds, w_hidden: [H], any float dtype (cast to float32).
     eps_embeds, eps_hidden: Python floats.
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
+    target: the GPU to pick block sizes for (a key of ``_common.GPU_TARGETS``); None =
+      automatic (``_common.resolve_target``).
   Returns:
     [N, 2H] in the inputs' dtype.
   """
@@ -110,4 +118,4 @@ def rmsnorm_concat(
     return rmsnorm_concat_reference(embeds, hidden, w_embeds, w_hidden, eps_embeds, eps_hidden)
   return _rmsnorm_concat_pallas(
       embeds, hidden, w_embeds, w_hidden, float(eps_embeds),
-      interpret=_common.resolve_interpret(interpret))
+      interpret=_common.resolve_interpret(interpret), gpu=_common.resolve_target(target))

@@ -77,8 +77,8 @@ _LOG2E = 1.4426950408889634
 # Floor of the running max: finite, so exp2(m_old - m_new) and exp2(-inf - m) stay
 # well defined (1 and 0) while a row has seen no visible key yet.
 _M_FLOOR = -1e30
-# Programs kernel 1 aims for (about 4 per SM of an H200, 2 per CU of an MI300X): below
-# this, long sequences are split (see _block_sizes for the measurements).
+# Programs kernel 1 aims for (about 4 per SM of an H200, 2 per CU of an MI300X or MI355X):
+# below this, long sequences are split (see _block_sizes for the measurements).
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
 _MAX_HEAD_DIM = 256
@@ -200,24 +200,32 @@ class PagedAttentionConfig(NamedTuple):
   combine_warps: int  # of the combine kernel (one [splits, D] tile per program)
 
 
-def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_q=None,
-                 block_n=None, num_splits=None, min_split=None, num_warps=None,
-                 num_stages=None) -> PagedAttentionConfig:
+def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
+                 gpu: _common.GpuTarget, block_q=None, block_n=None, num_splits=None,
+                 min_split=None, num_warps=None, num_stages=None) -> PagedAttentionConfig:
   """Tile sizes, splits and launch parameters; every argument left None is heuristic.
 
   BLOCK_Q = T * G rounded up to a power of two, at least 16 (the smallest tensor-core
   dot edge: decode with G = 4 wastes 3/4 of a tiny dot, which is free in a bandwidth
-  bound loop) and at most 64, so a prefill chunk becomes several query tiles.
-  BLOCK_N = 64 keys (32 for D > 128): 16 KiB per bf16 K or V tile at D = 128. Compiled
-  offline with Triton 3.6 (D = 128, bf16, 2 stages), the decode tile (BLOCK_Q = 16,
-  4 warps) takes 127 registers and 38 KiB of shared memory on sm_90 (4 programs per
-  SM), 156 VGPRs and 32 KiB of LDS on gfx950, without spills. Gathered K/V tiles keep
-  a pointer per element, so wider query tiles cost registers: at BLOCK_Q = 32, 4 warps
-  take 175 registers on sm_90 and 256 VGPRs on gfx942 (occupancy 1-2), 8 warps 128 and
-  190. Yet on an H200 (2026-11-30, scripts/bench_attention.py --sweep) the S + 1 = 6
-  verify tile (BLOCK_Q = 32) ran in 0.357 ms at 4 warps against 0.484 ms at 8 (B = 64,
-  4096 keys each): 4 warps up to BLOCK_Q = 32, 8 for 64. 2 stages (1: 26% slower; 3:
-  no gain).
+  bound loop) and at most 64, so a prefill chunk becomes several query tiles. 4 warps
+  up to BLOCK_Q = 32, 8 for 64; 2 pipeline stages. On AMD 4 wavefronts are one per SIMD
+  of the CU, each with its own matrix core.
+
+  BLOCK_N, NVIDIA: 64 keys (32 for D > 128), 16 KiB per bf16 K or V tile at D = 128.
+  Gathered K/V tiles keep an address per element, so wider tiles cost registers. At
+  D = 128, bf16 (scripts/rocm_compile.py, triton 3.8, sm_90), the decode tile (BLOCK_Q =
+  16, 4 warps) takes 80 registers and 38 KiB of shared memory, the verify tile (BLOCK_Q =
+  32) 140 registers, without spills. On an H200 (2026-11-30, scripts/bench_attention.py
+  --sweep) the S + 1 = 6 verify tile ran in 0.357 ms at 4 warps against 0.484 ms at 8
+  (B = 64, 4096 keys each); 2 stages (1: 26% slower; 3: no gain).
+  BLOCK_N, AMD (wavefront 64): half that, 32 keys (16 for D > 128). Compiled for gfx942
+  and gfx950 at 64 keys (Llama-3.1-8B and Qwen3-32B shapes, scripts/rocm_compile.py),
+  the verify tiles take 226-254 VGPRs (2 waves per SIMD), the tree-verify tile 251-275
+  and spills 24-54 SGPRs or 6 VGPRs, the decode tile 126-204 VGPRs and, in 2 stages of
+  64 keys, 66 KiB of gfx950's LDS. At 32 keys every tile fits in 104-194 VGPRs and 42-68
+  SGPRs without spills, 2-4 waves per SIMD, 16-42 KiB of LDS (docs/ROCM.md): two
+  workgroups of 32-key tiles keep the bytes of one 64-key workgroup in flight, with
+  twice the waves to hide latency.
 
   MIN_SPLIT = max(256, 16 * T * G) keys, a power of two: a split's partials cost
   ~8 * T * G * D bytes (float32 write + read) against >= MIN_SPLIT * 2 * D * itemsize
@@ -228,12 +236,15 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_
   table gets 64 splits (512 programs of 512 keys), B = 64 decode with K = 8 none. On the
   H200, B = 64 decode over 4096 keys ran at 95% of copy bandwidth without splits
   (0.279 ms) and 0.306 ms with 2; B = 1 over 32768 keys took 0.068 ms with 64 or 128
-  splits alike. The per-sequence split length keeps short sequences on one split.
+  splits alike. The same 512 on AMD, about 2 programs per CU: more would split B = 64
+  verify and add a combine pass, a trade the H200 measured as a loss at 4 programs per
+  SM and nobody has measured on an MI300X / MI355X. The per-sequence split length keeps
+  short sequences on one split.
   """
   rows = q_tokens * group
   block_d = max(16, _common.next_power_of_2(head_dim))
   bq = block_q or min(64, max(16, _common.next_power_of_2(rows)))
-  bn = block_n or (64 if block_d <= 128 else 32)
+  bn = block_n or (64 if block_d <= 128 else 32) * 32 // gpu.warp_size
   ms = min_split or max(256, _common.next_power_of_2(16 * rows))
   ms = max(ms, bn)
   q_tiles = _common.cdiv(rows, bq)
@@ -255,12 +266,14 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *, block_
                               combine_warps)
 
 
-def paged_attention_config(q, k_pages, page_table, **tuning) -> PagedAttentionConfig:
+def paged_attention_config(q, k_pages, page_table, *, target=None,
+                           **tuning) -> PagedAttentionConfig:
   """The configuration ``paged_attention`` picks for these shapes (arrays or
-  ShapeDtypeStructs) and tuning overrides; for benchmarks and logs."""
+  ShapeDtypeStructs), GPU target and tuning overrides; for benchmarks and logs."""
   b, t, n, d = q.shape
   _, page_size, k, _ = k_pages.shape
-  return _block_sizes(b, t, n // k, d, k, page_table.shape[1] * page_size, **tuning)
+  return _block_sizes(b, t, n // k, d, k, page_table.shape[1] * page_size,
+                      gpu=_common.resolve_target(target), **tuning)
 
 
 # --------------------------------------------------------------------------------------
@@ -352,7 +365,10 @@ def _attention_kernel(
       sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32) * scale_log2  # [BQ, BN]
       if causal:
-        visible = key_ok[None, :] & (pos[None, :] <= qpos[:, None])
+        # key < hi and key <= the row's position, as one compare per score: on a 64-wide
+        # wavefront each compare is a 64-bit SGPR mask, and two per score (and their AND)
+        # filled gfx942's / gfx950's SGPRs in the split verify tile and spilled.
+        visible = pos[None, :] < jnp.minimum(qpos + 1, hi)[:, None]
       else:
         in_block = pos >= start
         u = jnp.clip(pos - start, 0, t_len - 1)
@@ -497,6 +513,7 @@ def paged_attention(
     block_mask=None,  # [B, T, T] bool or None
     sm_scale=None,
     interpret=None,
+    target=None,
     block_q=None,
     block_n=None,
     num_splits=None,
@@ -519,6 +536,8 @@ def paged_attention(
       t sees block key u iff block_mask[b, t, u] (keys before the block: always).
     sm_scale: score scale, None = 1 / sqrt(D).
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
+    target: the GPU to pick block sizes for (a key of ``_common.GPU_TARGETS``); None =
+      automatic (``_common.resolve_target``).
     block_q, block_n, num_splits, min_split, num_warps, num_stages: override the
       heuristic (see ``_block_sizes``), for tests and benchmarks.
   Returns:
@@ -536,9 +555,10 @@ def paged_attention(
   if not supported:
     return paged_attention_reference(q, k_pages, v_pages, page_table, kv_len, q_len,
                                      block_mask=block_mask, sm_scale=sm_scale)
-  cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size, block_q=block_q,
-                     block_n=block_n, num_splits=num_splits, min_split=min_split,
-                     num_warps=num_warps, num_stages=num_stages)
+  cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size,
+                     gpu=_common.resolve_target(target), block_q=block_q, block_n=block_n,
+                     num_splits=num_splits, min_split=min_split, num_warps=num_warps,
+                     num_stages=num_stages)
   return _paged_attention_pallas(
       q, k_pages, v_pages, page_table, kv_len, q_len, block_mask,
       scale=_scale(sm_scale, d), interpret=_common.resolve_interpret(interpret), cfg=cfg)

@@ -88,6 +88,10 @@ PAD_TOKEN = -1
 # Index larger than any vocabulary column: the identity of a "first index" min.
 _NO_INDEX = 1 << 30
 
+# The batch CHUNK is sized for (see _block_sizes): 64 sampling rows, 152064 columns.
+_SIZING_ROWS = 64
+_SIZING_VOCAB = 152064
+
 # Row flags passed to the kernels (one int32 per row).
 _ACTIVE = 1
 _GREEDY = 2
@@ -108,21 +112,45 @@ class SamplerOutput(NamedTuple):
 # --------------------------------------------------------------------------------------
 
 
-def _block_sizes(vocab_size: int, block_v: int | None, chunk_v: int | None):
-  """(BLOCK, CHUNK): the load width and the columns one program of kernel 1 owns.
+class SamplerConfig(NamedTuple):
+  """The launch of the two kernels (see ``_block_sizes``)."""
+
+  block: int       # vocabulary columns per masked load
+  chunk: int       # vocabulary columns one program of kernel 1 owns
+  num_warps: int   # of both kernels
+  num_stages: int  # software pipelining of kernel 1's vocabulary loop
+
+
+def _block_sizes(vocab_size: int, gpu: _common.GpuTarget, block_v: int | None = None,
+                 chunk_v: int | None = None, num_stages: int | None = None) -> SamplerConfig:
+  """BLOCK and CHUNK: the load width and the columns one program of kernel 1 owns.
 
   BLOCK = 2048 float32 columns per masked load: with 8 warps that is 8 elements per
-  thread per operand (two 128-bit loads), enough in flight to hide HBM latency without
-  spilling. CHUNK = 16384 columns (8 loads): a 152064-wide vocabulary splits into 10
+  thread per operand on NVIDIA (two 128-bit loads), 4 per lane of AMD's 64-wide
+  wavefronts (one 128-bit load), enough in flight to hide HBM latency without spilling.
+  CHUNK = 16384 columns (8 loads) on the H200: a 152064-wide vocabulary splits into 10
   chunks, so even a batch of 64 sampling rows, each needing one position, gives 640
-  busy programs (about 5 per SM on an H200), while the finish kernel re-reads at most
-  one 64 KiB chunk per row. Both shrink to the next power of two above a small vocab.
+  busy programs (about 5 per SM), while the finish kernel re-reads at most one 64 KiB
+  chunk per row. On a GPU with more cores CHUNK halves (not below 4096) until that batch
+  gives >= 4 busy programs per core: 8192 on MI300X (304 CUs) and MI355X (256), 1216
+  busy programs. Compiled for gfx942 / gfx950 (docs/ROCM.md) both kernels take 18-56
+  VGPRs and 32-64 bytes of LDS: 8 waves per SIMD, so a CU can hold 4 workgroups of 8
+  wavefronts, which 16384-column chunks (1.7-2.5 busy programs per CU) left half empty.
+  8 warps on AMD too: with so few busy programs per CU, a workgroup's 2 waves per SIMD
+  are most of what hides its latency. Both BLOCK and CHUNK shrink to the next power of
+  two above a small vocab.
+  3 pipeline stages in the vocabulary loop: measured best on an H200 (0.069 ms against
+  0.105 ms at 2 for 64 sampling rows, docs/BENCHMARKS.md).
   """
   block = block_v or min(2048, _common.next_power_of_2(vocab_size))
-  chunk = chunk_v or min(16384, max(block, _common.next_power_of_2(vocab_size)))
+  max_chunk = 16384
+  while (max_chunk > 4096 and _SIZING_ROWS * _common.cdiv(_SIZING_VOCAB, max_chunk)
+         < 4 * gpu.num_cores):
+    max_chunk //= 2
+  chunk = chunk_v or min(max_chunk, max(block, _common.next_power_of_2(vocab_size)))
   if block & (block - 1) or chunk & (chunk - 1) or chunk % block:
     raise ValueError(f"block {block} and chunk {chunk} must be powers of two, block | chunk")
-  return block, chunk
+  return SamplerConfig(block, chunk, 8, num_stages or 3)
 
 
 # --------------------------------------------------------------------------------------
@@ -356,9 +384,9 @@ def _finish_kernel(
 
 
 def _speculative_sample_pallas(
-    flags, draft_tokens, uniforms, p, q, q_ok, *, vocab_size, block, chunk, interpret,
-    num_stages):
+    flags, draft_tokens, uniforms, p, q, q_ok, *, vocab_size, interpret, cfg: SamplerConfig):
   batch, num_draft = draft_tokens.shape
+  block, chunk = cfg.block, cfg.chunk
   num_pos_pad = _common.next_power_of_2(num_draft + 1)
   num_chunks = _common.cdiv(vocab_size, chunk)
   has_q = q is not None
@@ -376,7 +404,7 @@ def _speculative_sample_pallas(
           jax.ShapeDtypeStruct(part_shape, jnp.int32),
       ),
       grid=(batch, num_draft + 1, num_chunks),
-      compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
       interpret=interpret,
       name="spec_sampler_partials",
   )(*operands)
@@ -390,7 +418,7 @@ def _speculative_sample_pallas(
           jax.ShapeDtypeStruct((batch, 4), jnp.int32),
       ),
       grid=(batch,),
-      compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=interpret,
       name="spec_sampler_finish",
   )(*operands, *partials)
@@ -511,8 +539,8 @@ def speculative_sample_reference(
 def speculative_sample(
     draft_tokens, draft_probs, target_logits, rows: SamplingRows, uniforms,
     vocab_size: int, active=None, *, draft_probs_ok=None, target_is_probs: bool = False,
-    interpret: bool | None = None, block_v: int | None = None,
-    chunk_v: int | None = None, num_stages: int = 3) -> SamplerOutput:
+    interpret: bool | None = None, target: str | None = None, block_v: int | None = None,
+    chunk_v: int | None = None, num_stages: int | None = None) -> SamplerOutput:
   """Verify S draft tokens per row against the target (see the module docstring).
 
   Args:
@@ -527,9 +555,9 @@ def speculative_sample(
       formed); a draft token from a malformed row is never accepted, and is counted.
     target_is_probs: target_logits already holds probabilities (no filtering).
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
-    block_v, chunk_v: override the block-size heuristic (tests, tuning).
-    num_stages: Triton software-pipelining depth of the vocabulary loop (3 measured
-      best on an H200: 0.069 ms vs 0.105 ms at 2 for 64 sampling rows, docs/BENCHMARKS.md).
+    target: the GPU to pick block sizes for (a key of ``_common.GPU_TARGETS``); None =
+      automatic (``_common.resolve_target``).
+    block_v, chunk_v, num_stages: override the block-size heuristic (tests, tuning).
   Returns:
     SamplerOutput with tokens [B, S+1] and per-row counters [B].
   """
@@ -544,7 +572,7 @@ def speculative_sample(
     return speculative_sample_reference(*args, draft_probs_ok=draft_probs_ok,
                                         target_is_probs=target_is_probs)
   flags, d, u, p, q, q_ok, _, _ = _prepare(*args, draft_probs_ok, target_is_probs)
-  block, chunk = _block_sizes(vocab_size, block_v, chunk_v)
+  cfg = _block_sizes(vocab_size, _common.resolve_target(target), block_v, chunk_v, num_stages)
   return _speculative_sample_pallas(
-      flags, d, u, p, q, q_ok, vocab_size=vocab_size, block=block, chunk=chunk,
-      interpret=_common.resolve_interpret(interpret), num_stages=num_stages)
+      flags, d, u, p, q, q_ok, vocab_size=vocab_size,
+      interpret=_common.resolve_interpret(interpret), cfg=cfg)
