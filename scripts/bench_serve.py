@@ -163,17 +163,18 @@ def run_aiperf(args, base_url: str, tokenizer_dir: str, concurrency: int,
            "--use-server-token-count", "--extra-inputs", "ignore_eos:true",
            "--extra-inputs", "temperature:0", "--artifact-dir", artifact_dir]
     env = {k: v for k, v in os.environ.items() if k not in OFFLINE_VARIABLES}
-    with open(os.path.join(artifact_dir + ".log"), "wb") as log:
+    with open(artifact_dir + ".log", "wb") as log:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise SystemExit(f"error: aiperf exited with {proc.returncode}; its log: "
                          f"{artifact_dir}.log")
     with open(os.path.join(artifact_dir, "profile_export_aiperf.json")) as f:
         m = json.load(f)
-    errors = m.get("error_request_count", {}).get("avg", 0)
-    if errors:
-        raise SystemExit(f"error: {errors:.0f} of aiperf's requests failed; see "
-                         f"{artifact_dir}.log and the server log")
+    error_rate = m.get("request_error_rate", {}).get("avg", 0)
+    if error_rate or m.get("error_summary"):
+        raise SystemExit(f"error: {error_rate:.0f}% of aiperf's requests failed "
+                         f"({m.get('error_summary')}); see {artifact_dir}.log and the "
+                         "server log")
     return dict(
         concurrency=concurrency, requests=int(m["request_count"]["avg"]),
         request_throughput=m["request_throughput"]["avg"],
@@ -191,7 +192,8 @@ def bench_mode(args, mode: str, target: str, draft: str | None, out_dir: str) ->
                    "--seed", str(args.seed), *args.server_arg]
     print(f"[{mode}] starting: serve.py {' '.join(server_args)}", flush=True)
     # JAX_PLATFORMS: the caller's, else every backend (ServerProcess defaults to the CPU).
-    server = ServerProcess(server_args, env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")},
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    server = ServerProcess(server_args, env={"JAX_PLATFORMS": platforms},
                            log_path=os.path.join(out_dir, f"server-{mode}.log"),
                            startup_timeout=args.startup_timeout)
     runs = []
@@ -398,9 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         model_label=label, model=target, draft_model=draft,
         client="aiperf", client_version=_aiperf_version(args.aiperf),
         isl=args.isl, osl=args.osl, concurrency=args.concurrency, seed=args.seed,
-        server_args=args.server_arg, cpu_count=os.cpu_count(), command=" ".join([os.path.basename(sys.argv[0]),
-                                                       *sys.argv[1:]]),
-        runs=[])
+        server_args=args.server_arg, cpu_count=os.cpu_count(),
+        command=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), runs=[])
     results_path = os.path.join(out_dir, "results.json")
     if args.append:
         result["runs"] = _earlier_runs(results_path, result, modes)
