@@ -44,7 +44,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tests.server_util import ServerProcess  # noqa: E402  (the tests' server launcher)
+from eagle_jax.testutil.server import ServerProcess  # noqa: E402
 
 MODES = {"eagle3": "EAGLE-3", "plain": "no speculation"}
 SHAPES = ("llama-8b", "small")

@@ -73,7 +73,7 @@ def test_evaluate_runs_on_the_default_pair(tmp_path):
 def test_serve_uses_the_default_pair():
     import httpx
 
-    from tests.server_util import ServerProcess
+    from eagle_jax.testutil.server import ServerProcess
 
     server = ServerProcess(["--max-num-seqs", "2", "--batch-buckets", "2",
                             "--prefill-buckets", "128", "--max-model-len", "256",

@@ -30,10 +30,7 @@ import sys
 import pytest
 
 from eagle_jax.assets import default_pair
-try:
-    from tests.server_util import REPO, ServerProcess
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from server_util import REPO, ServerProcess
+from eagle_jax.testutil.server import REPO, ServerProcess
 
 TASKS_DIR = os.path.join(REPO, "tests", "lm_eval_tasks")
 CHOICE_TASK = "eagle_code_choice"

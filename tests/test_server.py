@@ -19,10 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from eagle_jax.testutil.tokenizer import write_test_tokenizer
-try:
-    from tests.server_util import REPO, ServerProcess, parse_sse
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from server_util import REPO, ServerProcess, parse_sse
+from eagle_jax.testutil.server import REPO, ServerProcess, parse_sse
 
 VOCAB = 512
 EOS_ID = 2  # "<|eos|>" of the test tokenizer

@@ -166,16 +166,17 @@ class KVPages(NamedTuple):
         return self.k[0].shape[1]
 
     def write(self, layer: int, k: Array, v: Array, slots: Array) -> "KVPages":
-        """k, v [B, T, K, D] of ``layer`` into pool rows ``slots`` [B, T] (rows of the pool
-        viewed as [num_pages * page_size, K, D]); a slot past the pool (padding) is
-        dropped."""
-        rows = self.num_pages * self.page_size
+        """k, v [B, T, K, D] of ``layer`` into pool rows ``slots`` [B, T] (row r is position
+        r % page_size of page r // page_size); a slot past the pool (padding) is dropped.
+
+        The scatter indexes (page, offset) of the 4-D pool rather than a flattened view:
+        XLA updates the donated pool in place either way on a GPU, but on a CPU the
+        reshaped form copies the whole pool at every write.
+        """
+        pages, offsets = slots // self.page_size, slots % self.page_size
 
         def put(pool, new):
-            flat = pool.reshape(rows, *pool.shape[2:])
-            flat = flat.at[slots.reshape(-1)].set(
-                new.reshape(-1, *new.shape[2:]).astype(pool.dtype), mode="drop")
-            return flat.reshape(pool.shape)
+            return pool.at[pages, offsets].set(new.astype(pool.dtype), mode="drop")
 
         replace = lambda pools, new: pools[:layer] + (put(pools[layer], new),) + pools[layer + 1:]
         return KVPages(replace(self.k, k), replace(self.v, v))

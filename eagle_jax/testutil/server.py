@@ -1,4 +1,5 @@
-"""Helpers for the server tests: start scripts/serve.py as a subprocess, parse SSE."""
+"""The server as a subprocess for tests and the serving benchmark: start scripts/serve.py,
+wait until healthy, parse SSE."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 
 import httpx
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:
