@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 4 on a CPU, 64 on a GPU)")
     g.add_argument("--page-size", type=_positive_int, default=16,
                    help="positions per KV page (a power of two)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="prefill every prompt in full instead of sharing the KV pages of a "
+                        "prefix an earlier request computed")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="positions one step computes: the running requests' decode rows "
+                        "plus prefill chunks of new prompts (default: 512 on a CPU, 2048 on "
+                        "a GPU); a longer prompt is prefilled over several steps while the "
+                        "others keep decoding")
     g.add_argument("--batch-buckets", default=None,
                    help="comma-separated batch buckets (default: the engine's powers of two "
                         "up to --max-num-seqs)")
@@ -129,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         page_size=args.page_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,

@@ -1,5 +1,6 @@
 """The paged KV pool: the allocator, admission that waits for pages, preemption and
-recompute, and no page leaked, on tiny models (float32, CPU, kernels interpreted)."""
+recompute, the prefix cache, prefill chunks that ride along with decoding, and no page
+leaked, on tiny models (float32, CPU, kernels interpreted)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator, plan_pool
+from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator, page_hashes, plan_pool
 
 # --------------------------------------------------------------------------- allocator
 
@@ -41,6 +42,91 @@ def test_allocator_drops_updates_of_a_freed_owner():
     alloc.reserve(1, 1)
     alloc.free(0)
     assert [u[0] for u in alloc.take_updates()] == [1]
+
+
+def test_prefix_cache_matches_shares_and_evicts_least_recently_used():
+    ps = 4
+    alloc = PageAllocator(num_pages=8, page_size=ps, max_pages_per_owner=6, prefix_caching=True)
+    a = list(range(10, 23))  # 13 tokens: 3 full pages (4 pages in all)
+    keys_a = page_hashes(a, ps)
+    assert len(keys_a) == 3 and page_hashes(a[:8], ps) == keys_a[:2]
+    assert page_hashes(a, ps, keys_a[:1]) == keys_a  # extended, not recomputed
+    alloc.reserve(0, 13)
+    alloc.register(0, keys_a, a, num_computed=8)  # only positions < 8 are in the pool
+    assert alloc.num_cached == 2
+    alloc.register(0, keys_a, a, num_computed=13)
+    assert alloc.num_cached == 3
+    # Same first 9 tokens, then different: pages 0 and 1 match (page 2 differs).
+    b = a[:9] + [99, 98, 97, 96]
+    hit = alloc.match(page_hashes(b, ps), b, len(b) - 1, check_next=False)
+    assert hit == alloc.pages(0)[:2]
+    # The draft's last row of page 1 took token 8, which b shares: still both pages. A
+    # sequence that differs exactly at token 8 loses page 1 when the draft counts.
+    c = a[:8] + [99, 98, 97]
+    keys_c = page_hashes(c, ps)
+    assert alloc.match(keys_c, c, len(c) - 1, check_next=False) == alloc.pages(0)[:2]
+    assert alloc.match(keys_c, c, len(c) - 1, check_next=True) == alloc.pages(0)[:1]
+    # At most max_tokens positions are matched: the last known one is always computed.
+    assert alloc.match(keys_a, a, 8, check_next=True) == alloc.pages(0)[:2]
+    assert alloc.match(keys_a, a, 7, check_next=True) == alloc.pages(0)[:1]
+    alloc.reserve(1, 13, shared=hit)  # 2 pages shared, 2 new
+    assert alloc.pages(1)[:2] == hit and alloc.num_free == 8 - 4 - 2
+    alloc.check()
+    alloc.free(0)  # a's page 2 is unheld but cached; pages 0 and 1 are still held
+    assert alloc.num_free == 4 and alloc.num_cached == 3
+    alloc.free(1)
+    assert alloc.usage == 0.0 and alloc.num_cached == 3
+    assert alloc.match(keys_a, a, 12, check_next=True) == [0, 1, 2]
+    alloc.check()
+    # The pool fills: free pages first, then cached ones, least recently used first
+    # (a's page 2, freed before the pages 0 and 1 that owner 1 held).
+    alloc.reserve(2, 5 * ps)
+    assert alloc.num_cached == 3
+    alloc.reserve(3, 1)
+    assert alloc.num_cached == 2 and alloc.pages(3) == [2]
+    assert alloc.match(keys_a, a, 12, check_next=True) == [0, 1]
+    alloc.check()
+    with pytest.raises(OutOfPages):
+        alloc.reserve(4, 3 * ps)
+    alloc.check()
+
+
+def test_prefix_cache_never_evicts_a_held_page_and_leaks_nothing():
+    """500 random requests drawn from a few shared prefixes, over a pool that runs short:
+    after every operation each page is free, cached or held, counts agree, and a page
+    some owner holds is never handed to another; at the end every page is free."""
+    ps, rng = 4, np.random.default_rng(3)
+    alloc = PageAllocator(num_pages=40, page_size=ps, max_pages_per_owner=12,
+                          prefix_caching=True)
+    prefixes = [[int(t) for t in rng.integers(0, 50, 30)] for _ in range(4)]
+    live: dict[int, list[int]] = {}
+    for i in range(500):
+        if live and (len(live) >= 6 or rng.random() < 0.4):
+            owner = int(rng.choice(list(live)))
+            tokens = live.pop(owner)
+            alloc.register(owner, page_hashes(tokens, ps), tokens, len(tokens) - 1)
+            alloc.free(owner)
+        else:
+            base = prefixes[int(rng.integers(4))]
+            tokens = base[:int(rng.integers(1, 31))] + [
+                int(t) for t in rng.integers(0, 50, int(rng.integers(1, 16)))]
+            keys = page_hashes(tokens, ps)
+            hit = alloc.match(keys, tokens, len(tokens) - 1, check_next=True)
+            held = {p for o in live for p in alloc.pages(o)}
+            try:
+                alloc.reserve(i, len(tokens) + 2, shared=hit)
+            except OutOfPages:
+                alloc.check()
+                continue
+            fresh = set(alloc.pages(i)[len(hit):])
+            assert not fresh & held  # a new page is never one another owner holds
+            live[i] = tokens
+            alloc.register(i, keys, tokens, len(tokens) // 2)
+        alloc.check()
+    for owner in list(live):
+        alloc.free(owner)
+    alloc.check()
+    assert alloc.num_free == 40 and alloc.usage == 0.0
 
 
 def test_pool_plan_from_a_budget():
@@ -161,14 +247,24 @@ def test_admission_waits_for_pages(models):
 
 
 def test_no_page_leaks_after_many_random_requests(models):
-    """500 requests of random prompt lengths, budgets, stop conditions and aborts over a
-    tight pool: afterwards every page is free and no request is left."""
+    """500 requests over a few shared prefixes, of random lengths, budgets, stop
+    conditions and aborts, over a tight pool (the prefix cache evicts, requests are
+    preempted): after every step each page is free, cached or held, and no page a
+    request holds is free; afterwards every page is free and no request is left."""
     probe = _engine(models, "EAGLE3", precompile=False)
     engine = _engine(models, "EAGLE3", kv_cache_memory=_pool_bytes(probe, 120))
     rng = np.random.default_rng(9)
+    prefixes = [[int(t) for t in rng.integers(7, 300, 30)] for _ in range(3)]
     done = set()
+
+    def step():
+        nonlocal done
+        done |= {o.request_id for o in engine.step() if o.finished}
+        engine.page_allocator.check()
+
     for i in range(500):
-        prompt = [int(t) for t in rng.integers(7, 300, int(rng.integers(1, 40)))]
+        prompt = prefixes[i % 3][:int(rng.integers(0, 31))] + [
+            int(t) for t in rng.integers(7, 300, int(rng.integers(1, 10)))]
         params = SamplingParams(temperature=float(rng.choice([0.0, 1.0])),
                                 max_tokens=int(rng.integers(1, 8)), seed=i,
                                 stop_token_ids=[int(rng.integers(7, 300))])
@@ -176,12 +272,13 @@ def test_no_page_leaks_after_many_random_requests(models):
         if i % 7 == 3:
             engine.abort_request(f"q{i - 1}")
         if i % 4 == 3:
-            done |= {o.request_id for o in engine.step() if o.finished}
+            step()
     while engine.has_unfinished_requests():
-        done |= {o.request_id for o in engine.step() if o.finished}
+        step()
     assert len(done) == 500
     stats = engine.scheduler_stats()
     assert stats.kv_cache_usage == 0.0 and stats.num_running == stats.num_waiting == 0
+    assert stats.prefix_cache_hits > 0 and engine.page_allocator.num_cached > 0
 
 
 def test_explicit_max_model_len_beyond_the_pool_is_an_error(models):
@@ -201,9 +298,10 @@ def test_bad_pool_settings_are_named(models, field, value, message):
 
 
 def test_backend_defaults_fill_only_what_is_unset():
-    cfg = EngineConfig(model="m", speculative_algorithm="NONE", max_num_seqs=8)
+    cfg = EngineConfig(model="m", speculative_algorithm="NONE", max_num_seqs=8,
+                       max_num_batched_tokens=100)
     cpu, notes = cfg.for_backend("cpu")
-    assert (cpu.dtype, cpu.max_num_seqs) == ("float32", 8)
+    assert (cpu.dtype, cpu.max_num_seqs, cpu.max_num_batched_tokens) == ("float32", 8, 100)
     assert notes == ["dtype=float32 (the cpu default; set it to change)"]
     gpu, _ = cfg.for_backend("gpu")
     assert (gpu.dtype, gpu.max_num_seqs) == ("bfloat16", 8)
@@ -227,3 +325,129 @@ def test_cpu_engine_defaults_and_the_targets_context_limit(models, tmp_path, cap
     text = caplog.text
     assert "dtype=float32 (the cpu default" in text and "max_num_seqs=4" in text
     assert "below the target's" in text
+
+
+# ------------------------------------------------------- prefix cache, mixed prefill
+
+
+def _accept_lengths(engine) -> dict[str, list[int]]:
+    """request id -> the accept length of each of its speculative steps (filled as the
+    engine steps)."""
+    seen: dict[str, list[int]] = {}
+
+    def listen(event):
+        for slot, rid in event.rows.items():
+            seen.setdefault(rid, []).append(int(event.output.accept_len[slot]))
+
+    engine.add_step_listener(listen)
+    return seen
+
+
+def _run(engine, requests):
+    """requests: [(id, prompt, params)] queued at once -> (id -> tokens, id -> the
+    num_cached_tokens its outputs reported)."""
+    cached = {}
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    tokens = {rid: [] for rid, _, _ in requests}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+            cached[o.request_id] = o.num_cached_tokens
+        engine.page_allocator.check()
+    return tokens, cached
+
+
+@pytest.mark.parametrize("algo", ["EAGLE3", "NONE"])
+def test_a_prefix_cache_hit_gives_identical_greedy_output_and_accept_lengths(algo):
+    """The shipped pair (a draft that accepts, so a stale draft row would show in the
+    accept lengths), pages of 16, three requests one after another over one 70-token
+    prefix: the first computes it; the second shares its 4 full pages (the partial
+    fifth is recomputed); the third shares the first 64 tokens and then differs, so the
+    draft's last row of page 4 (which took token 64) is stale for it and the EAGLE
+    engine recomputes that page (48 cached), the plain one does not (64). Tokens and
+    accept lengths equal a run without the prefix cache, request by request."""
+    from eagle_jax.assets import DEFAULT_DRAFT, DEFAULT_TARGET
+    from eagle_jax.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(DEFAULT_TARGET)
+    code = tok.encode(open(__file__).read())
+    prefix = code[:70]
+    prompts = [prefix + code[100:110], prefix + code[200:203],
+               prefix[:64] + [code[300] if code[300] != prefix[64] else code[301]]
+               + code[310:315]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        engine = Engine(EngineConfig(
+            model=DEFAULT_TARGET, draft_model=DEFAULT_DRAFT if algo == "EAGLE3" else None,
+            speculative_algorithm=algo, dtype="float32", max_model_len=192, max_num_seqs=2,
+            batch_buckets=(2,), prefill_buckets=(32,), compilation_cache_dir="",
+            enable_prefix_caching=caching))
+        accepts = _accept_lengths(engine)
+        tokens, cached = {}, {}
+        for i, prompt in enumerate(prompts):
+            got, got_cached = _run(engine, [(f"p{i}", prompt, greedy)])
+            tokens.update(got)
+            cached.update(got_cached)
+        assert engine.scheduler_stats().kv_cache_usage == 0.0
+        results[caching] = tokens, accepts, cached
+    (tokens, accepts, cached), (ref_tokens, ref_accepts, ref_cached) = results[True], results[False]
+    assert tokens == ref_tokens
+    if algo == "EAGLE3":
+        assert accepts == ref_accepts
+        assert sum(map(sum, accepts.values())) > sum(map(len, accepts.values()))
+    assert [cached[f"p{i}"] for i in range(3)] == [0, 64, 48 if algo == "EAGLE3" else 64]
+    assert set(ref_cached.values()) == {0}
+
+
+def test_requests_that_arrive_together_share_their_prefix(models):
+    """Two requests queued at once with one 26-token prefix: the second is admitted after
+    the first's prefill ran and shares its 6 full pages; both decode side by side, and
+    their greedy tokens equal a run without the prefix cache. The served counters
+    (vLLM's prefix_cache_queries / hits) add up."""
+    rng = np.random.default_rng(12)
+    prefix = [int(t) for t in rng.integers(7, 300, 26)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    reqs = [(f"c{i}", prefix + [int(t) for t in rng.integers(7, 300, 4 + i)], greedy)
+            for i in range(2)]
+    engine = _engine(models, "EAGLE3")
+    tokens, cached = _run(engine, reqs)
+    ref, _ = _run(_engine(models, "EAGLE3", enable_prefix_caching=False), reqs)
+    assert tokens == ref
+    assert cached == {"c0": 0, "c1": 24}
+    stats = engine.scheduler_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (30 + 31, 24)
+
+
+def test_prefill_chunks_ride_along_with_decoding(models):
+    """A 50-token prompt arrives while a request decodes, with a step budget that holds
+    one 16-position chunk: it is prefilled over four steps, in each of which the running
+    request still commits tokens. Both requests' greedy tokens equal a run whose budget
+    prefills the prompt in one go."""
+    rng = np.random.default_rng(13)
+    short = [int(t) for t in rng.integers(7, 300, 6)]
+    long = [int(t) for t in rng.integers(7, 300, 50)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(budget):
+        engine = _engine(models, "EAGLE3", max_num_batched_tokens=budget)
+        engine.add_request("short", short, greedy)
+        tokens = {"short": [], "long": []}
+        steps_in_prefill = []
+        for o in engine.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+        engine.add_request("long", long, greedy)
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            for o in outs:
+                tokens[o.request_id].extend(o.new_token_ids)
+            if not tokens["long"]:
+                steps_in_prefill.append({o.request_id for o in outs if o.new_token_ids})
+        return tokens, steps_in_prefill
+
+    mixed, steps = run(8)
+    whole, whole_steps = run(512)
+    assert mixed == whole and len(mixed["long"]) == 12
+    assert len(steps) == 3 and all(s == {"short"} for s in steps)  # 16 + 16 + 16, then 2
+    assert whole_steps == []

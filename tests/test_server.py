@@ -224,8 +224,10 @@ def test_prompt_forms_and_choice_order(http):
         assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
         got = [_ids(c["logprobs"]["tokens"]) for c in body["choices"]]
         assert got == [ids_a, ids_a, ids_b, ids_b]  # prompt-major; greedy n=2 are identical
-        assert body["usage"] == {"prompt_tokens": len(ta) + len(tb), "completion_tokens": 24,
-                                 "total_tokens": len(ta) + len(tb) + 24}
+        usage = body["usage"]
+        assert usage.pop("prompt_tokens_details")["cached_tokens"] >= 0
+        assert usage == {"prompt_tokens": len(ta) + len(tb), "completion_tokens": 24,
+                         "total_tokens": len(ta) + len(tb) + 24}
     # A single list of token ids is one prompt.
     assert _greedy(http, ta, 6, ignore_eos=True)[0] == ids_a
 
@@ -699,10 +701,32 @@ def test_metrics_match_served(http):
                  "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
                  "vllm:e2e_request_latency_seconds", "vllm:time_per_output_token_seconds",
                  "vllm:request_queue_time_seconds", "vllm:kv_cache_usage_perc",
-                 "vllm:num_preemptions"):
+                 "vllm:num_preemptions", "vllm:prefix_cache_queries",
+                 "vllm:prefix_cache_hits"):
         assert name in names, name
     assert f'model_name="{NAME}"' in text
     assert _m(after, "vllm:kv_cache_usage_perc") == 0.0  # idle: every page free
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(http):
+    """The second request with a prompt the first computed is served its full pages from
+    the prefix cache: OpenAI's usage.prompt_tokens_details.cached_tokens says how many,
+    and vLLM's prefix-cache counters add the queried and the cached tokens. Its output
+    equals the first's (greedy)."""
+    before = _wait_idle(http)
+    prompt = "A prompt no other test sends, long enough to fill some pages: " * 3
+    bodies = [http.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}).json()
+        for _ in range(2)]
+    n_prompt = bodies[0]["usage"]["prompt_tokens"]
+    first, second = (b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
+    assert first == 0 and 0 < second < n_prompt and second % 16 == 0  # full pages of 16
+    assert bodies[0]["choices"][0]["text"] == bodies[1]["choices"][0]["text"]
+    after = _wait_idle(http)
+    assert _m(after, "vllm:prefix_cache_hits_total") - _m(
+        before, "vllm:prefix_cache_hits_total") == second
+    assert _m(after, "vllm:prefix_cache_queries_total") - _m(
+        before, "vllm:prefix_cache_queries_total") == 2 * n_prompt
 
 
 def test_scheduler_metrics_follow_the_engine():

@@ -30,6 +30,13 @@ class EngineConfig:
         (``for_backend``). Requests wait for KV pages beyond that: the pool, not the slot
         count, bounds the tokens held.
       page_size: positions per KV page.
+      enable_prefix_caching: share the KV pages of a prompt prefix some earlier request
+        computed (full pages, target and draft) instead of prefilling it again.
+      max_num_batched_tokens: prefill positions one engine step may run besides the
+        decode rows of the running requests (the decode rows count against it too; a
+        step that has no room left still prefills one smallest chunk, so prompts always
+        progress). A long prompt is prefilled a chunk per step while the running
+        requests keep decoding. None = the backend's default (``for_backend``).
       batch_buckets / prefill_buckets: compiled batch sizes and prompt chunk lengths.
       kv_cache_memory: KV pool budget in bytes; kv_cache_memory_fraction: or this share
         of the free device memory (a GPU; default 0.75 there). On a CPU without either,
@@ -53,6 +60,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     page_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
     kv_cache_memory: int | None = None
@@ -88,6 +97,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
@@ -127,6 +139,6 @@ class EngineConfig:
 # Fields left None, by backend. (max_model_len left None is the target's limit, capped by
 # the KV pool; a CPU, which has no memory budget to size the pool from, caps it at
 # CPU_MAX_MODEL_LEN.)
-CPU_DEFAULTS = dict(dtype="float32", max_num_seqs=4)
-GPU_DEFAULTS = dict(dtype="bfloat16", max_num_seqs=64)
+CPU_DEFAULTS = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=512)
+GPU_DEFAULTS = dict(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048)
 CPU_MAX_MODEL_LEN = 4096

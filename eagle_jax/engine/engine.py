@@ -3,8 +3,13 @@
 The engine owns one ``DecodeState`` of ``num_slots`` rows on the device and a paged KV
 pool shared by all of them (``page_allocator.py`` says which request owns which page).
 Between steps, waiting requests join free slots when the pool has pages for them (their
-sampling tensors written, their prompt prefilled), finished and aborted requests leave
-and return their pages. Before each step every running request is given the pages the
+sampling tensors written; the full pages of a prefix an earlier request computed shared
+from the prefix cache), finished and aborted requests leave and return their pages. A
+joined request's remaining prompt is prefilled in chunks, at most
+``max_num_batched_tokens`` positions per engine step less the running requests' decode
+rows, so a long prompt no longer stalls the requests already decoding: each step
+dispatches its prefill chunks, then the decode step of the running requests (a request
+whose last chunk ran joins that step). Before each step every running request is given the pages the
 step may write; when the pool runs out, the newest running request is preempted: its
 pages are freed and it goes back to the front of the queue, to be recomputed from its
 prompt and the tokens it already produced (nothing it streamed is repeated). A step runs
@@ -30,7 +35,8 @@ from tqdm.auto import tqdm
 from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.engine import step as step_lib
 from eagle_jax.engine.config import CPU_MAX_MODEL_LEN, EngineConfig
-from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator, pages_for, plan_pool
+from eagle_jax.engine.page_allocator import (
+    OutOfPages, PageAllocator, page_hashes, pages_for, plan_pool)
 from eagle_jax.engine.types import (
     RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
 from eagle_jax.models.decoder import Decoder, load_decoder
@@ -47,7 +53,10 @@ class _Request:
     params: SamplingParams
     arrival: float
     slot: int = -1
-    seq_len: int = 0  # tokens in the KV pool after the collected steps
+    seq_len: int = 0  # tokens in the KV pool after the collected steps (or prefill chunks)
+    in_prefill: bool = False  # holds a slot, its known tokens not all prefilled yet
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (first admission)
+    page_keys: list = dataclasses.field(default_factory=list)  # of its full pages' tokens
     in_flight: int = 0  # steps dispatched for it whose tokens are not collected yet
     preemptions: int = 0  # also tags in-flight steps: a preempted request's are dropped
     admitted: int = 0  # admission order (the newest running request is preempted first)
@@ -167,6 +176,8 @@ class Engine:
         self.chunk_len = self.prefill_buckets[-1]  # longer prompts are prefilled in chunks
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.num_steps)
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of which served from it
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_ids |= set(getattr(self.tokenizer, "eos_token_ids", ()))
@@ -252,7 +263,8 @@ class Engine:
                         plan.num_pages * self.page_size)
         self.max_model_len, self.num_pages, self.max_pages = plan
         self.kv_bytes = self.num_pages * self.page_size * self._bytes_per_token()
-        self._pages = PageAllocator(self.num_pages, self.page_size, self.max_pages)
+        self.page_allocator = PageAllocator(self.num_pages, self.page_size, self.max_pages,
+                                    prefix_caching=self.config.enable_prefix_caching)
         # Page-table entries a step may add: each running request grows by at most one
         # step's tokens, which straddle at most cdiv(step_tokens, page_size) + 1 pages.
         self._max_page_updates = self.num_slots * (
@@ -411,12 +423,15 @@ class Engine:
 
     def scheduler_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=self.num_running(), num_waiting=self.num_waiting(),
-                              kv_cache_usage=self._pages.usage,
-                              num_preemptions=self.num_preemptions)
+                              kv_cache_usage=self.page_allocator.usage,
+                              num_preemptions=self.num_preemptions,
+                              prefix_cache_queries=self.prefix_cache_queries,
+                              prefix_cache_hits=self.prefix_cache_hits)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Admits waiting requests, runs one decode step, returns what each produced.
+        """Admits waiting requests, runs prefill chunks within the step's token budget and
+        one decode step, returns what each request produced.
 
         With ``async_scheduling`` the step is dispatched before the previous step's
         tokens are read, so the host's bookkeeping overlaps the device's work; a request
@@ -424,8 +439,9 @@ class Engine:
         """
         outputs: list[RequestOutput] = []
         self._process_aborts(outputs)
-        self._admit(outputs)
-        occupied = {i: r for i, r in enumerate(self._slots) if r is not None}
+        self._schedule_prefills(outputs)
+        occupied = {i: r for i, r in enumerate(self._slots)
+                    if r is not None and not r.in_prefill}
         launched = self._launch(occupied) if occupied else None
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
@@ -454,65 +470,117 @@ class Engine:
             self._finish(req, "abort", None)
             outputs.append(self._output(req, [], []))
 
-    def _admit(self, outputs):
-        """Admits waiting requests, oldest first, while a slot is free and the pool has
-        pages for the request's known tokens and its first step (else it waits)."""
-        while self._waiting and None in self._slots:
-            req = self._waiting[0]
-            slot = self._slots.index(None)
-            known = len(req.prompt) + max(len(req.output) - 1, 0)
-            if not self._pages.can_reserve(slot, known + self.step_tokens):
-                break
-            self._waiting.popleft()
-            self._pages.reserve(slot, known)
-            self._pages.take_updates(slot)  # the prefill writes the slot's whole row
-            req.slot, req.seq_len, req.in_flight = slot, known, 0
-            req.admitted = self._num_admitted = self._num_admitted + 1
-            self._slots[slot] = req
-            if req.seed is None:
-                req.seed = req.params.seed if req.params.seed is not None else int(
-                    self._rng.integers(0, 2**31 - 1))
-            # A resumed request draws from a fresh stream, not the one it began with.
-            key = _threefry_key(req.seed + (req.preemptions << 32))
-            self.state = self._assign_fn()(self.state, np.int32(slot),
-                                           SamplingRows.from_params(req.params), key)
-            first = self._prefill(req)
-            if req.output:  # resumed after preemption: its tokens were committed before
-                continue
-            req.first_token_time = time.monotonic()
-            self._commit(req, [first[0]], [first[1]] if first[1] is not None else None, outputs)
+    def _known_tokens(self, req: _Request) -> list[int]:
+        """Every token of the request whose position it knows: its prompt and output (the
+        newest, ``last_token``, is not in the pool yet)."""
+        return req.prompt + req.output
 
-    def _prefill(self, req: _Request):
-        """Prefills the request's known tokens in chunks: its prompt (the token after it
-        is sampled), or, resumed after a preemption, its prompt and every generated token
-        but the last (which becomes ``last_token``, as it was)."""
-        tokens_known = req.prompt + req.output[:-1]
-        n = len(tokens_known)
+    def _page_keys(self, req: _Request, tokens: list[int]) -> list[bytes]:
+        """The prefix-cache keys of the request's full pages, extended as it grows."""
+        if len(req.page_keys) < len(tokens) // self.page_size:
+            req.page_keys = page_hashes(tokens, self.page_size, req.page_keys)
+        return req.page_keys
+
+    def _schedule_prefills(self, outputs) -> None:
+        """Spends this step's prefill budget (``max_num_batched_tokens`` less the running
+        requests' decode rows; at least one smallest chunk): first on the requests
+        already in prefill, oldest first, then on waiting requests admitted one by one
+        while budget is left. A request is matched against the prefix cache when it is
+        admitted, after the chunks before it ran, so requests that arrive together share
+        the pages of their common prefix."""
+        decoding = sum(r is not None and not r.in_prefill for r in self._slots)
+        budget = max(self.config.max_num_batched_tokens - decoding * self.step_tokens,
+                     self.prefill_buckets[0])
+        for req in sorted((r for r in self._slots if r is not None and r.in_prefill),
+                          key=lambda r: r.admitted):
+            budget = self._prefill(req, budget, outputs)
+        while budget > 0 and (req := self._admit()) is not None:
+            budget = self._prefill(req, budget, outputs)
+
+    def _admit(self) -> _Request | None:
+        """Gives the oldest waiting request a slot and the pages of its known tokens (the
+        cached pages of its prefix shared), if a slot is free and the pool has pages for
+        it and its first step; else None (it waits)."""
+        if not self._waiting or None not in self._slots:
+            return None
+        req = self._waiting[0]
+        slot = self._slots.index(None)
+        tokens = self._known_tokens(req)
+        # A new request prefills its prompt; one resumed after a preemption, its prompt
+        # and every generated token but the last (which becomes last_token).
+        known = len(req.prompt) + max(len(req.output) - 1, 0)
+        # The last known position is always computed: its logits (a new request's first
+        # token) and its draft row (the draft's state) come from it.
+        hit = self.page_allocator.match(self._page_keys(req, tokens), tokens, known - 1,
+                                        check_next=self.draft is not None)
+        if not self.page_allocator.can_reserve(slot, known + self.step_tokens, hit):
+            return None
+        self._waiting.popleft()
+        self.page_allocator.reserve(slot, known, shared=hit)
+        self.page_allocator.take_updates(slot)  # the prefill writes the slot's whole row
+        cached = len(hit) * self.page_size
+        self.prefix_cache_queries += known
+        self.prefix_cache_hits += cached
+        if not req.output:
+            req.num_cached_tokens = cached
+        req.slot, req.seq_len, req.in_flight, req.in_prefill = slot, cached, 0, True
+        req.admitted = self._num_admitted = self._num_admitted + 1
+        self._slots[slot] = req
+        if req.seed is None:
+            req.seed = req.params.seed if req.params.seed is not None else int(
+                self._rng.integers(0, 2**31 - 1))
+        # A resumed request draws from a fresh stream, not the one it began with.
+        key = _threefry_key(req.seed + (req.preemptions << 32))
+        self.state = self._assign_fn()(self.state, np.int32(slot),
+                                       SamplingRows.from_params(req.params), key)
+        return req
+
+    def _prefill(self, req: _Request, budget: int, outputs) -> int:
+        """Runs the request's next prefill chunks, ``budget`` positions at most; returns
+        the budget left. After its last chunk the request decodes: a new one commits
+        its first token, sampled by that chunk."""
+        tokens = self._known_tokens(req)
+        known = len(req.prompt) + max(len(req.output) - 1, 0)
         resumed = bool(req.output)
-        page_row = self._pages.page_row(req.slot)
-        start = 0
+        page_row = self.page_allocator.page_row(req.slot)
         out = None
-        while start < n:
-            length = min(self.chunk_len, n - start)
+        while req.seq_len < known and budget > 0:
+            start = req.seq_len
+            length = min(self.chunk_len, known - start, budget)
             chunk = next(b for b in self.prefill_buckets if b >= length)
-            tokens = np.zeros((chunk,), np.int32)
-            tokens[:length] = tokens_known[start:start + length]
-            is_last = start + length == n
-            nxt = (req.output[-1] if resumed else 0) if is_last else tokens_known[start + length]
+            chunk_tokens = np.zeros((chunk,), np.int32)
+            chunk_tokens[:length] = tokens[start:start + length]
+            is_last = start + length == known
+            # The known token after the chunk (a new request's first token is sampled).
+            nxt = tokens[start + length] if start + length < len(tokens) else 0
             self.state, out = self._prefill_fn(chunk)(
                 self._target_params, self._draft_params, self.state, np.int32(req.slot),
-                page_row, tokens, np.int32(start), np.int32(length), np.int32(nxt),
+                page_row, chunk_tokens, np.int32(start), np.int32(length), np.int32(nxt),
                 np.bool_(is_last), np.bool_(is_last and not resumed))
-            start += length
-        if resumed:
-            return None
+            req.seq_len += length
+            budget -= length
+            self._register_pages(req)
+        if req.seq_len < known:
+            return budget
+        req.in_prefill = False
+        if resumed:  # its tokens were committed before the preemption
+            return budget
         token, lp, top_ids, top_lp = jax.device_get(out)
         logprob = None
         if req.params.logprobs is not None:
-            logprob = TokenLogprob(int(token), float(lp), {
-                int(i): float(v) for i, v in zip(top_ids[:req.params.logprobs],
-                                                 top_lp[:req.params.logprobs])})
-        return int(token), logprob
+            k = req.params.logprobs
+            logprob = [TokenLogprob(int(token), float(lp), {
+                int(i): float(v) for i, v in zip(top_ids[:k], top_lp[:k])})]
+        req.first_token_time = time.monotonic()
+        self._commit(req, [int(token)], logprob, outputs)
+        if not req.finished:
+            self._register_pages(req)  # the page the first token completes
+        return budget
+
+    def _register_pages(self, req: _Request) -> None:
+        """Offers the request's full, final pages to the prefix cache."""
+        tokens = self._known_tokens(req)
+        self.page_allocator.register(req.slot, self._page_keys(req, tokens), tokens, req.seq_len)
 
     def _reserve_step_pages(self, occupied: dict[int, _Request]) -> None:
         """Gives every running request the pages the next step may write: positions up
@@ -521,7 +589,7 @@ class Engine:
         for req in sorted(occupied.values(), key=lambda r: r.admitted):
             while req.slot >= 0:
                 try:
-                    self._pages.reserve(
+                    self.page_allocator.reserve(
                         req.slot, req.seq_len + (req.in_flight + 1) * self.step_tokens)
                     break
                 except OutOfPages:
@@ -537,10 +605,11 @@ class Engine:
         dropped when collected."""
         logger.info("KV pool full: preempting request %s (%d tokens)", req.request_id,
                     req.seq_len)
-        self._pages.free(req.slot)
+        self._register_pages(req)  # its own pages may serve its recompute
+        self.page_allocator.free(req.slot)
         self._slots[req.slot] = None
         self.state = self._release_fn()(self.state, np.int32(req.slot))
-        req.slot, req.in_flight = -1, 0
+        req.slot, req.in_flight, req.in_prefill = -1, 0, False
         req.preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(req)
@@ -565,7 +634,7 @@ class Engine:
         with_logprobs = any(r.params.logprobs is not None for r in occupied.values())
         fn = self._step_fn(batch, with_logprobs)
         self.state, out = fn(self._target_params, self._draft_params, self.state,
-                             self._page_updates(self._pages.take_updates()))
+                             self._page_updates(self.page_allocator.take_updates()))
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         for req in occupied.values():
@@ -598,6 +667,8 @@ class Engine:
                                                      out.top_logprobs[slot, j, :k])})
                        for j in range(n)]
             self._commit(req, toks, lps, outputs)
+            if not req.finished:
+                self._register_pages(req)
         return out, {slot: req.request_id for slot, req in live.items()}
 
     def _count_step(self, out, live: dict[int, _Request]):
@@ -694,7 +765,8 @@ class Engine:
         req.stop_reason = stop_reason
         if req.slot >= 0:
             self._slots[req.slot] = None
-            self._pages.free(req.slot)
+            self._register_pages(req)
+            self.page_allocator.free(req.slot)
             self.state = self._release_fn()(self.state, np.int32(req.slot))
         self._requests.pop(req.request_id, None)
 
@@ -703,8 +775,8 @@ class Engine:
             request_id=req.request_id, new_token_ids=list(new_tokens), finished=req.finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             new_logprobs=new_logprobs, num_prompt_tokens=len(req.prompt),
-            num_output_tokens=len(req.output), text=req.text, new_text=new_text,
-            first_token_time=req.first_token_time)
+            num_output_tokens=len(req.output), num_cached_tokens=req.num_cached_tokens,
+            text=req.text, new_text=new_text, first_token_time=req.first_token_time)
 
     # ------------------------------------------------------------- scoring
     def prompt_logprobs(self, prompt_token_ids: list[int], top_n: int = 0

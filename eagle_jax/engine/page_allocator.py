@@ -19,6 +19,8 @@ applies to its page table before running, so the host never uploads a whole tabl
 
 from __future__ import annotations
 
+import collections
+import hashlib
 from typing import NamedTuple
 
 import numpy as np
@@ -75,59 +77,187 @@ class OutOfPages(Exception):
     """The pool has fewer free pages than a reservation needs (the scheduler preempts)."""
 
 
-class PageAllocator:
-    """Free list and per-owner page lists of a pool of ``num_pages`` pages.
+def page_hashes(tokens, page_size: int, known: list[bytes] = ()) -> list[bytes]:
+    """The chained key of every full page of ``tokens``: page i's key digests page i-1's
+    key and the page's tokens, so equal keys mean equal prefixes (a 128-bit BLAKE2b: a
+    collision would hand one request another's KV, so no 64-bit ``hash``). ``known``:
+    the keys of the first pages, computed before (extended, not recomputed)."""
+    tokens = np.asarray(tokens, np.int64)
+    keys = list(known)
+    parent = keys[-1] if keys else b""
+    for i in range(len(keys), len(tokens) // page_size):
+        parent = hashlib.blake2b(parent + tokens[i * page_size:(i + 1) * page_size].tobytes(),
+                                 digest_size=16).digest()
+        keys.append(parent)
+    return keys
 
-    Owners are integers (the engine's slots). The free list is a stack: the first pages
-    handed out are 0, 1, 2, ..., and the last pages freed are the next ones reused.
+
+class PageAllocator:
+    """Free list, per-owner page lists and the prefix cache of a pool of ``num_pages``.
+
+    Owners are integers (the engine's slots). A page is free (on the free stack: the
+    first pages handed out are 0, 1, 2, ..., the last freed the next reused), owned by
+    one or more owners (a reference count), or cached: a full page whose key is known,
+    that no owner holds, kept for a later request with the same prefix and evicted,
+    least recently used first, only when the free stack is empty.
+
+    Prefix caching. ``register`` gives a key to each full page whose content is final
+    (every position of it is in the pool, and so is the token after it); ``match``
+    finds the longest run of keyed pages that begins a token sequence, and ``reserve``
+    shares them (``shared=``) instead of taking new ones. A shared page is never
+    written: an owner writes only at positions at or past its own length, which lie in
+    pages of its own.
+
+    The draft's KV row j is computed from the token at j + 1 (and the target's feature
+    at j), so a page's last draft row depends on the first token *after* the page. Each
+    keyed page records that token (``next_token``); ``match`` with ``check_next`` stops
+    before a last page whose next token differs from the request's, and that page is
+    recomputed (at most ``page_size`` extra prefill positions). Inside a run of matched
+    pages the next token lies in the following matched page, so it agrees already.
     """
 
-    def __init__(self, num_pages: int, page_size: int, max_pages_per_owner: int):
+    def __init__(self, num_pages: int, page_size: int, max_pages_per_owner: int,
+                 prefix_caching: bool = False):
         if num_pages < 1:
             raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_pages_per_owner = max_pages_per_owner
+        self.prefix_caching = prefix_caching
         self._free = list(range(num_pages - 1, -1, -1))  # pop() takes from the end
+        self._refs = [0] * num_pages
         self._owned: dict[int, list[int]] = {}
         self._pending: list[tuple[int, int, int]] = []  # (owner, index, page) not yet applied
+        self._page_of: dict[bytes, int] = {}  # key -> keyed page
+        self._key_of: dict[int, bytes] = {}  # keyed page -> key
+        self._next_token: dict[int, int] = {}  # keyed page -> the token after it
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._registered: dict[int, int] = {}  # owner -> pages of it already keyed
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a reservation can take: free, or cached and unreferenced."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Keyed pages (held by a request or not)."""
+        return len(self._page_of)
 
     @property
     def usage(self) -> float:
-        """Fraction of the pool's pages owned by requests."""
-        return 1.0 - len(self._free) / self.num_pages
+        """Fraction of the pool's pages held by requests (cached, unheld pages are free)."""
+        return 1.0 - self.num_free / self.num_pages
 
     def pages(self, owner: int) -> list[int]:
         return self._owned.get(owner, [])
 
-    def can_reserve(self, owner: int, num_tokens: int) -> bool:
-        return self._missing(owner, num_tokens) <= len(self._free)
+    # ------------------------------------------------------------- prefix cache
+    def match(self, keys: list[bytes], tokens, max_tokens: int,
+              check_next: bool) -> list[int]:
+        """The cached pages that begin a sequence: ``keys`` are its ``page_hashes``,
+        ``tokens`` its tokens; at most ``max_tokens`` positions are matched (the engine
+        always computes a request's last known position). Takes nothing."""
+        if not self.prefix_caching:
+            return []
+        hit = []
+        for key in keys[:max_tokens // self.page_size]:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            hit.append(page)
+        if check_next:
+            while hit and self._next_token[hit[-1]] != tokens[len(hit) * self.page_size]:
+                hit.pop()
+        return hit
 
-    def _missing(self, owner: int, num_tokens: int) -> int:
+    def register(self, owner: int, keys: list[bytes], tokens, num_computed: int) -> None:
+        """Keys the owner's full pages whose content is final: positions below
+        ``num_computed`` are in the pool, and ``tokens`` (the owner's known tokens; the
+        token after a page must be known too) extends ``keys``. A key some other page
+        has already leaves this page private."""
+        if not self.prefix_caching:
+            return
+        owned = self._owned.get(owner, [])
+        full = min(num_computed, len(tokens) - 1) // self.page_size
+        done = self._registered.get(owner, 0)
+        end = min(full, len(keys), len(owned))
+        for i in range(done, end):
+            page = owned[i]
+            if page in self._key_of or keys[i] in self._page_of:
+                continue
+            self._page_of[keys[i]] = page
+            self._key_of[page] = keys[i]
+            self._next_token[page] = int(tokens[(i + 1) * self.page_size])
+        self._registered[owner] = max(done, end)
+
+    # -------------------------------------------------------------- reservation
+    def can_reserve(self, owner: int, num_tokens: int, shared: list[int] = ()) -> bool:
+        revived = sum(1 for p in shared if p in self._evictable)
+        return self._missing(owner, num_tokens, len(shared)) <= self.num_free - revived
+
+    def _missing(self, owner: int, num_tokens: int, num_shared: int = 0) -> int:
         want = min(pages_for(num_tokens, self.page_size), self.max_pages_per_owner)
-        return max(0, want - len(self._owned.get(owner, ())))
+        return max(0, want - len(self._owned.get(owner, ())) - num_shared)
 
-    def reserve(self, owner: int, num_tokens: int) -> None:
+    def reserve(self, owner: int, num_tokens: int, shared: list[int] = ()) -> None:
         """Makes ``owner``'s pages cover positions [0, num_tokens) (capped at the page
-        table's width). Raises OutOfPages, taking nothing, when the pool is short."""
-        missing = self._missing(owner, num_tokens)
-        if missing > len(self._free):
-            raise OutOfPages(f"{missing} pages needed, {len(self._free)} free")
+        table's width), first sharing ``shared`` (cached pages from ``match``, only for
+        an owner with no pages yet). Raises OutOfPages, taking nothing, when the pool is
+        short."""
+        if not self.can_reserve(owner, num_tokens, shared):
+            raise OutOfPages(f"{self._missing(owner, num_tokens, len(shared))} pages needed, "
+                             f"{self.num_free} free")
         owned = self._owned.setdefault(owner, [])
-        for _ in range(missing):
-            page = self._free.pop()
+        if shared:
+            if owned:
+                raise ValueError("shared pages begin an owner's list: reserve them first")
+            for page in shared:
+                self._evictable.pop(page, None)
+                self._refs[page] += 1
+                self._pending.append((owner, len(owned), page))
+                owned.append(page)
+            self._registered[owner] = len(shared)
+        for _ in range(self._missing(owner, num_tokens)):
+            page = self._take()
+            self._refs[page] = 1
             self._pending.append((owner, len(owned), page))
             owned.append(page)
 
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        page, _ = self._evictable.popitem(last=False)  # least recently used
+        del self._page_of[self._key_of.pop(page)]
+        del self._next_token[page]
+        return page
+
     def free(self, owner: int) -> None:
-        """Returns every page of ``owner`` to the pool."""
+        """Drops every page reference of ``owner``: a page no one holds becomes cached
+        (keyed, most recently used) or free."""
         pages = self._owned.pop(owner, [])
+        self._registered.pop(owner, None)
         self._pending = [u for u in self._pending if u[0] != owner]
-        self._free.extend(reversed(pages))
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page]:
+                continue
+            if page in self._key_of:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
+    def check(self) -> None:
+        """Asserts the pool's invariants (tests): every page is exactly one of free,
+        cached-unheld, or held, and reference counts equal the owners holding it."""
+        held = collections.Counter(p for pages in self._owned.values() for p in pages)
+        assert all(self._refs[p] == held.get(p, 0) for p in range(self.num_pages))
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free) and not free & evictable
+        assert not (free | evictable) & set(held)
+        assert len(free) + len(evictable) + len(held) == self.num_pages
+        assert evictable <= set(self._key_of) and not free & set(self._key_of)
+        assert all(self._page_of[k] == p for p, k in self._key_of.items())
 
     def page_row(self, owner: int) -> np.ndarray:
         """[max_pages_per_owner] int32: the owner's page table row (0 past its pages:

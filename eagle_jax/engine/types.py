@@ -38,6 +38,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative, after this step
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     text: str = ""
     new_text: str = ""
     first_token_time: float | None = None  # time.monotonic() when the first token was ready
@@ -86,13 +87,15 @@ class SpecDecodeStats:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerStats:
-    """The scheduler's state now (vLLM's gauge names: num_requests_running / waiting,
-    kv_cache_usage_perc, num_preemptions_total)."""
+    """The scheduler's state now (vLLM's metric names: num_requests_running / waiting,
+    kv_cache_usage_perc, num_preemptions_total, prefix_cache_queries / hits_total)."""
 
     num_running: int
     num_waiting: int
     kv_cache_usage: float  # fraction of the KV pool's pages owned by requests
     num_preemptions: int  # cumulative
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # cumulative prompt tokens it served
 
 
 class StepEvent(NamedTuple):

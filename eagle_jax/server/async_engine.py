@@ -441,8 +441,10 @@ class Choice:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served
 
     def absorb(self, out: RequestOutput) -> None:
+        self.num_cached_tokens = out.num_cached_tokens
         self.token_ids.extend(out.new_token_ids)
         self.text += out.new_text
         if out.new_logprobs:

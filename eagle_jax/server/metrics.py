@@ -76,6 +76,14 @@ class ServerMetrics:
             "vllm:num_preemptions", "Cumulative number of preemptions from the engine.", m,
             registry=r,
         )
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.", m, registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.", m, registry=r,
+        )
         self.request_success = Counter(
             "vllm:request_success", "Count of successfully processed requests.",
             m + ["finished_reason"], registry=r,
@@ -114,6 +122,9 @@ class ServerMetrics:
         self._kv_usage = self.kv_cache_usage.labels(n)
         self._preemptions = self.num_preemptions.labels(n)
         self._last_preemptions = 0
+        self._prefix_queries = self.prefix_cache_queries.labels(n)
+        self._prefix_hits = self.prefix_cache_hits.labels(n)
+        self._last_prefix = (0, 0)
         self._prompt_tokens = self.prompt_tokens.labels(n)
         self._generation_tokens = self.generation_tokens.labels(n)
         self._ttft = self.ttft.labels(n)
@@ -151,13 +162,18 @@ class ServerMetrics:
         )
 
     def update_scheduler(self, stats: SchedulerStats) -> None:
-        """Queue sizes and KV usage now; preemptions since the last call."""
+        """Queue sizes and KV usage now; preemptions and prefix-cache queries and hits
+        since the last call."""
         self._running.set(stats.num_running)
         self._waiting.set(stats.num_waiting)
         self._kv_usage.set(stats.kv_cache_usage)
         if stats.num_preemptions > self._last_preemptions:
             self._preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_preemptions = stats.num_preemptions
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self._prefix_queries.inc(max(queries - self._last_prefix[0], 0))
+        self._prefix_hits.inc(max(hits - self._last_prefix[1], 0))
+        self._last_prefix = (queries, hits)
 
     def add_prompt_tokens(self, n: int) -> None:
         if n > 0:

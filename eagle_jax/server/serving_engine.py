@@ -122,10 +122,18 @@ class OpenAIServing:
 
 
 def _usage(num_prompt_tokens: int, choices: Sequence[Choice]) -> dict:
-    """OpenAI ``usage``: prompt tokens counted once, completion tokens over all choices."""
+    """OpenAI ``usage``: prompt tokens counted once per prompt, completion tokens over all
+    choices; ``prompt_tokens_details.cached_tokens``, like the prompt tokens, once per
+    prompt: the fewest any of its choices had served by the prefix cache (a prompt's
+    later choices may reuse the pages its first one computed)."""
     completion = sum(len(c.token_ids) for c in choices)
+    cached: dict[int, int] = {}
+    for c in choices:
+        cached[c.prompt_index] = min(cached.get(c.prompt_index, c.num_cached_tokens),
+                                     c.num_cached_tokens)
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": num_prompt_tokens + completion}
+            "total_tokens": num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def _sse(obj: Any) -> str:

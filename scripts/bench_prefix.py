@@ -1,0 +1,187 @@
+"""Prefix caching and prefill that rides along with decoding, on the engine.
+
+The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3 draft of ``bench_engine.py``
+(random weights; the speculative engine fixes its accept length with
+``synthetic_acceptance``), every bucket compiled before timing.
+
+1. **Time to first token** of a request whose prompt is a ``--prefix``-token prefix
+   another request computed before plus a ``--suffix``-token suffix (a prefix-cache hit),
+   against the same request with a prefix no one computed (a miss), and against an
+   engine without the prefix cache. Medians of ``--repeats`` requests, one at a time.
+2. **Streams while a long prompt arrives**: ``--streams`` requests decode; after a few
+   steps a ``--long``-token prompt arrives. For each ``--budgets`` value
+   (``max_num_batched_tokens``) the table gives the streams' inter-token time (the gap
+   between two outputs of a stream, per token it carried) at the median and at p99, their
+   ratio, the worst gap, and the long prompt's time to first token. The largest budget
+   prefills the whole prompt in one step: the run without mixing.
+
+    python scripts/bench_prefix.py [--prefix 2048 --suffix 64] [--streams 32 --long 8192]
+        [--budgets 448,704,2048,16384] [--small] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eagle_jax import SamplingParams  # noqa: E402
+from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
+
+from bench_engine import LLAMA_8B, SMALL, random_eagle3, random_target  # noqa: E402
+
+
+def _first_token_time(engine: Engine, rid: str, prompt: list[int], max_tokens: int = 1) -> float:
+    """Seconds from add_request to the output carrying the request's first token; the
+    request then runs to its end."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    ttft = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.new_token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+    return ttft
+
+
+def ttft_rows(engines: dict, args, vocab: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, engine in engines.items():
+        warm = [int(t) for t in rng.integers(10, vocab, args.prefix + args.suffix)]
+        _first_token_time(engine, f"{name}-warm", warm)
+        _first_token_time(engine, f"{name}-warm-hit", warm[:args.prefix] + warm[:args.suffix])
+        miss, hit, cached = [], [], []
+        for r in range(args.repeats):
+            prefix = [int(t) for t in rng.integers(10, vocab, args.prefix)]
+            suffix = lambda: [int(t) for t in rng.integers(10, vocab, args.suffix)]  # noqa: E731
+            miss.append(_first_token_time(engine, f"{name}-m{r}", prefix + suffix()))
+            before = engine.prefix_cache_hits
+            hit.append(_first_token_time(engine, f"{name}-h{r}", prefix + suffix()))
+            cached.append(engine.prefix_cache_hits - before)
+        row = dict(engine=name, prefix=args.prefix, suffix=args.suffix,
+                   miss_ttft_ms=1e3 * statistics.median(miss),
+                   second_ttft_ms=1e3 * statistics.median(hit),
+                   cached_tokens=int(statistics.median(cached)))
+        row["ratio"] = row["miss_ttft_ms"] / row["second_ttft_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def streams_row(engine: Engine, budget: int, args, vocab: int) -> dict:
+    rng = np.random.default_rng(budget)
+    params = SamplingParams(temperature=0.0, max_tokens=args.stream_tokens, ignore_eos=True)
+    for i in range(args.streams):
+        engine.add_request(f"s{budget}-{i}", [int(t) for t in rng.integers(10, vocab, 128)],
+                           params)
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    long_id, long_t0, long_ttft = f"long{budget}", None, None
+    steps = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for o in outs:
+            if o.request_id == long_id:
+                if o.new_token_ids and long_ttft is None:
+                    long_ttft = now - long_t0
+                continue
+            if not o.new_token_ids:
+                continue
+            if o.request_id in last:
+                gaps.append((now - last[o.request_id]) / len(o.new_token_ids))
+            last[o.request_id] = now
+        if steps == args.arrive_after:
+            long_t0 = time.perf_counter()
+            engine.add_request(long_id, [int(t) for t in rng.integers(10, vocab, args.long)],
+                               SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    gaps_ms = np.asarray(gaps) * 1e3
+    median, p99 = float(np.median(gaps_ms)), float(np.percentile(gaps_ms, 99))
+    return dict(budget=budget, streams=args.streams, long=args.long, itl_median_ms=median,
+                itl_p99_ms=p99, p99_over_median=p99 / median, itl_max_ms=float(gaps_ms.max()),
+                long_ttft_ms=1e3 * long_ttft)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prefix", type=int, default=2048)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--stream-tokens", type=int, default=256)
+    ap.add_argument("--long", type=int, default=8192)
+    ap.add_argument("--arrive-after", type=int, default=8, help="steps before it arrives")
+    ap.add_argument("--budgets", default="448,704,2048,16384")
+    ap.add_argument("--num-steps", type=int, default=5)
+    ap.add_argument("--acceptance", type=float, default=0.83)
+    ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--compilation-cache", default="/tmp/eagle_jax_bench_cache",
+                    help="JAX's persistent cache: engines of the same shapes compile once")
+    args = ap.parse_args(argv)
+    shape = SMALL if args.small else LLAMA_8B
+    dtype = jnp.bfloat16
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
+    target = random_target(shape, dtype)
+    draft = random_eagle3(target, dtype, min(32000, shape["vocab_size"]))
+    vocab = shape["vocab_size"]
+    max_len = max(args.long, args.prefix + args.suffix) + 512
+    budgets = [int(b) for b in args.budgets.split(",")]
+
+    def engine(caching=True, budget=2048, slots=8, buckets=(1, 8)):
+        return Engine(EngineConfig(
+            model="random", draft_model="random", speculative_algorithm="EAGLE3",
+            num_steps=args.num_steps, synthetic_acceptance=args.acceptance, dtype="bfloat16",
+            max_model_len=max_len, max_num_seqs=slots, batch_buckets=buckets,
+            kv_cache_memory=(256 << 20) if args.small else (24 << 30),
+            enable_prefix_caching=caching, max_num_batched_tokens=budget,
+            compilation_cache_dir=args.compilation_cache), target=target, draft=draft)
+
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=shape,
+                  num_steps=args.num_steps, acceptance=args.acceptance)
+    on = engine(budget=max(budgets))
+    result["ttft"] = ttft_rows({"prefix caching": on, "no prefix caching":
+                                engine(caching=False, budget=max(budgets))}, args, vocab)
+    del on
+    result["streams"] = []
+    slots = 1 << (args.streams).bit_length()  # the streams and the long prompt
+    for budget in budgets:
+        eng = engine(budget=budget, slots=slots, buckets=(args.streams, slots))
+        streams_row(eng, budget, dict_args(args, stream_tokens=16), vocab)  # warm-up
+        result["streams"].append(streams_row(eng, budget, args, vocab))
+        print(json.dumps(result["streams"][-1]), flush=True)
+        del eng
+    print("\n| engine | TTFT miss (ms) | TTFT hit (ms) | cached tokens | miss / hit |")
+    print("|---|---|---|---|---|")
+    for r in result["ttft"]:
+        print(f"| {r['engine']} | {r['miss_ttft_ms']:.1f} | {r['second_ttft_ms']:.1f} | "
+              f"{r['cached_tokens']} | {r['ratio']:.1f}x |")
+    print(f"\n| max_num_batched_tokens | ITL median (ms) | ITL p99 (ms) | p99 / median | "
+          f"worst (ms) | {args.long}-token prompt TTFT (ms) |")
+    print("|---|---|---|---|---|---|")
+    for r in result["streams"]:
+        print(f"| {r['budget']} | {r['itl_median_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
+              f"{r['p99_over_median']:.2f} | {r['itl_max_ms']:.1f} | {r['long_ttft_ms']:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def dict_args(args, **changes):
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+if __name__ == "__main__":
+    main()
