@@ -578,7 +578,12 @@ class Engine:
         return budget
 
     def _register_pages(self, req: _Request) -> None:
-        """Offers the request's full, final pages to the prefix cache."""
+        """Offers the request's full, final pages to the prefix cache (host work only
+        when it completed a page: a step's bookkeeping stays O(batch), not O(tokens))."""
+        full = min(req.seq_len, len(req.prompt) + len(req.output) - 1) // self.page_size
+        if not self.config.enable_prefix_caching or full <= self.page_allocator.num_registered(
+                req.slot):
+            return
         tokens = self._known_tokens(req)
         self.page_allocator.register(req.slot, self._page_keys(req, tokens), tokens, req.seq_len)
 

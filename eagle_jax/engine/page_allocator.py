@@ -171,6 +171,10 @@ class PageAllocator:
                 hit.pop()
         return hit
 
+    def num_registered(self, owner: int) -> int:
+        """The owner's leading pages that ``register`` has seen (keyed, or left private)."""
+        return self._registered.get(owner, 0)
+
     def register(self, owner: int, keys: list[bytes], tokens, num_computed: int) -> None:
         """Keys the owner's full pages whose content is final: positions below
         ``num_computed`` are in the pool, and ``tokens`` (the owner's known tokens; the
