@@ -13,8 +13,9 @@ of the live KV entries (the mean live length while decoding) per step, over the
 device-to-device copy bandwidth measured in the same run. Options add one sequence with
 a long live context (``--long``), 128 concurrent requests from a fixed KV budget
 (``--capacity-gib``), a same-run HF transformers column (``--hf``, static cache,
-compiled, in a subprocess) and a kernel-time breakdown of the batch-64 step from a
-``jax.profiler`` trace (``--profile DIR``).
+compiled, in a subprocess) and kernel-time breakdowns from ``jax.profiler`` traces
+(``--profile DIR``) of the plain step at batch 64 and 1 and the speculative step at batch
+64 (those of them in ``--batch-sizes``).
 
     python scripts/bench_engine.py [--batch-sizes 1,8,32,64,128] [--max-model-lens 512,32768]
         [--long 32768] [--capacity-gib 8] [--hf] [--profile DIR] [--small] [--json PATH]
@@ -42,7 +43,7 @@ from eagle_jax.models.decoder import Decoder  # noqa: E402
 from eagle_jax.models.draft import new_draft  # noqa: E402
 from eagle_jax.models.draft_config import EAGLE3, DraftConfig  # noqa: E402
 
-from benchtools import copy_bandwidth  # noqa: E402
+from benchtools import copy_bandwidth, device_ms_per_op, print_profile  # noqa: E402
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                 num_heads=32, num_kv_heads=8, head_dim=128)
@@ -122,21 +123,10 @@ def step_profile(engine: Engine, batch: int, prompt_len: int, steps: int, out_di
     with jax.profiler.trace(out_dir):
         for _ in range(steps):
             engine.step()
-        jax.effects_barrier()
+        jax.block_until_ready(engine.state)  # the last step dispatched, inside the trace
     while engine.has_unfinished_requests():
         engine.step()
-    files = [os.path.join(d, f) for d, _, fs in os.walk(out_dir) for f in fs
-             if f.endswith(".xplane.pb")]
-    data = jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime))
-    lines: dict[str, dict[str, float]] = {}  # device line -> event name -> ms per step
-    for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in plane.lines:
-            totals = lines.setdefault(f"{plane.name} {line.name}", {})
-            for ev in line.events:
-                totals[ev.name] = totals.get(ev.name, 0.0) + ev.duration_ns / 1e6 / steps
-    return {name: sorted(t.items(), key=lambda kv: -kv[1]) for name, t in lines.items()}
+    return device_ms_per_op(out_dir, steps)
 
 
 def hf_decode_rate(shape: dict, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -194,7 +184,8 @@ def main(argv=None):
     ap.add_argument("--hf", action="store_true",
                     help="HF transformers column (static cache, compiled; a subprocess)")
     ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--profile", default="", help="trace the batch-64 plain step into DIR")
+    ap.add_argument("--profile", default="", help="trace the plain step at batch 64 and 1 "
+                    "and the speculative step at 64 into DIR")
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -239,7 +230,7 @@ def main(argv=None):
         return plain, spec
 
     rows = []
-    extra_profile = None
+    extra_profile = {}
     for max_len in lens:
         plain, spec = engines(max_len, max(batches) * per_request, batches)
         for b in batches:
@@ -257,17 +248,15 @@ def main(argv=None):
                              accept_length=1 + acc, bound_tok_s=bound,
                              plain_vs_bound=p_tps / bound))
             print(json.dumps(rows[-1]), flush=True)
-        if args.profile and max_len == lens[-1] and 64 in batches:
-            profile = step_profile(plain, 64, args.prompt_len, 20, args.profile)
-            print(f"\nprofile, plain decode step at batch 64 (max_model_len {max_len}), "
+        for name, eng, b in (("plain", plain, 64), ("plain", plain, 1), ("spec", spec, 64)):
+            if not args.profile or max_len != lens[-1] or b not in batches:
+                continue
+            profile = step_profile(eng, b, args.prompt_len, 20,
+                                   os.path.join(args.profile, f"{name}{b}"))
+            print(f"\nprofile, {name} step at batch {b} (max_model_len {max_len}), "
                   "device time per step:")
-            for line, events in profile.items():
-                total = sum(ms for _, ms in events)
-                print(f"  {line}: {total:.3f} ms")
-                if "Ops" in line or len(profile) == 1:
-                    for name, ms in events[:30]:
-                        print(f"    {ms:8.3f} ms  {100 * ms / max(total, 1e-9):5.1f}%  {name[:100]}")
-            extra_profile = {line: events[:60] for line, events in profile.items()}
+            print_profile(profile)
+            extra_profile[f"{name}{b}"] = {line: events[:60] for line, events in profile.items()}
         del plain, spec
 
     extra = {"profile": extra_profile} if args.profile else {}

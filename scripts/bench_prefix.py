@@ -43,6 +43,7 @@ from eagle_jax import SamplingParams  # noqa: E402
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
 
 from bench_engine import LLAMA_8B, SMALL, random_eagle3, random_target  # noqa: E402
+from benchtools import device_ms_per_op, print_profile  # noqa: E402
 
 
 def _first_token_time(engine: Engine, rid: str, prompt: list[int], max_tokens: int = 1) -> float:
@@ -86,6 +87,22 @@ def ttft_rows(engines: dict, args, vocab: int) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def hit_profile(engine: Engine, args, vocab: int, out_dir: str, requests: int = 4):
+    """Device time per op of a prefix-cache hit's time to first token (the prefixes are
+    computed outside the trace)."""
+    rng = np.random.default_rng(7)
+    prompts = []
+    for r in range(requests):
+        prefix = [int(t) for t in rng.integers(10, vocab, args.prefix)]
+        _first_token_time(engine, f"pre{r}", prefix + [int(t) for t in rng.integers(10, vocab, 8)])
+        prompts.append(prefix + [int(t) for t in rng.integers(10, vocab, args.suffix)])
+    with jax.profiler.trace(out_dir):
+        for r, prompt in enumerate(prompts):
+            _first_token_time(engine, f"hitp{r}", prompt)
+        jax.effects_barrier()
+    return device_ms_per_op(out_dir, requests)
 
 
 def streams_row(engine: Engine, budget: int, args, vocab: int, seed: int) -> dict:
@@ -137,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--acceptance", type=float, default=0.83)
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default="", help="trace prefix-cache hits into DIR and "
+                    "print their device time per op (then exit)")
     ap.add_argument("--compilation-cache", default="/tmp/eagle_jax_bench_cache",
                     help="JAX's persistent cache: engines of the same shapes compile once")
     args = ap.parse_args(argv)
@@ -161,6 +180,11 @@ def main(argv=None):
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=shape,
                   num_steps=args.num_steps, acceptance=args.acceptance)
     on = engine(budget=max(budgets))
+    if args.profile:
+        _first_token_time(on, "warm", [int(t) for t in np.arange(args.prefix + args.suffix) % vocab])
+        print(f"device time per prefix-cache hit ({args.prefix} cached + {args.suffix}):")
+        print_profile(hit_profile(on, args, vocab, args.profile), top=40)
+        return
     result["ttft"] = ttft_rows({"prefix caching": on, "no prefix caching":
                                 engine(caching=False, budget=max(budgets))}, args, vocab)
     del on
@@ -168,7 +192,8 @@ def main(argv=None):
     slots = 1 << (args.streams).bit_length()  # the streams and the long prompt
     for budget in budgets:
         eng = engine(budget=budget, slots=slots, buckets=(args.streams, slots))
-        streams_row(eng, budget, dict_args(args, stream_tokens=16), vocab, seed=1)  # warm-up
+        # Warm-up: the long prompt arrives too (every executable of the timed run runs).
+        streams_row(eng, budget, dict_args(args, stream_tokens=64, arrive_after=2), vocab, seed=1)
         result["streams"].append(streams_row(eng, budget, args, vocab, seed=2))
         print(json.dumps(result["streams"][-1]), flush=True)
         del eng

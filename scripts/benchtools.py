@@ -7,6 +7,7 @@ Device work is asynchronous: every timing closes a run of back-to-back calls wit
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -36,3 +37,36 @@ def copy_bandwidth(nbytes: int = 1 << 30, *, calls: int = 10, repeats: int = 10)
     x = jax.random.normal(jax.random.key(1), (nbytes // 4,), jnp.float32)
     ms = time_ms(jax.jit(lambda a: a + 1.0), x, calls=calls, repeats=repeats, warmup=2)
     return 2 * x.nbytes / (ms * 1e-3)
+
+
+def device_ms_per_op(trace_dir: str, divisor: int) -> dict[str, list[tuple[str, float]]]:
+    """Device time per op of the newest ``jax.profiler`` trace under ``trace_dir``, over
+    ``divisor`` (steps or requests): {device line: [(event name, ms)], costliest first}."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs
+             if f.endswith(".xplane.pb")]
+    data = jax.profiler.ProfileData.from_file(max(files, key=os.path.getmtime))
+    lines: dict[str, dict[str, float]] = {}  # device line -> event name -> ms
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            totals = lines.setdefault(f"{plane.name} {line.name}", {})
+            for ev in line.events:
+                totals[ev.name] = totals.get(ev.name, 0.0) + ev.duration_ns / 1e6 / divisor
+    return {name: sorted(t.items(), key=lambda kv: -kv[1]) for name, t in lines.items()}
+
+
+def print_profile(profile: dict[str, list[tuple[str, float]]], top: int = 30) -> None:
+    """Each device line's total, and the ops of the "Ops" line (or, where the trace has
+    none, of the busiest line)."""
+    totals = {line: sum(ms for _, ms in events) for line, events in profile.items()}
+    if not totals:
+        print("  (no device lines in the trace: a CPU run)")
+        return
+    shown = [line for line in profile if "Ops" in line] or [max(totals, key=totals.get)]
+    for line, events in profile.items():
+        total = totals[line]
+        print(f"  {line}: {total:.3f} ms")
+        if line in shown:
+            for name, ms in events[:top]:
+                print(f"    {ms:8.3f} ms  {100 * ms / max(total, 1e-9):5.1f}%  {name[:100]}")

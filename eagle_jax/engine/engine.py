@@ -64,6 +64,7 @@ class _Request:
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     detok: object = None
+    stop_ids: frozenset = frozenset()  # stop token ids, EOS included unless ignore_eos
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None
@@ -400,7 +401,9 @@ class Engine:
                 f"exceeds max_model_len {self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
-        req = _Request(request_id, [int(t) for t in prompt], params, time.monotonic())
+        req = _Request(request_id, [int(t) for t in prompt], params, time.monotonic(),
+                       stop_ids=frozenset(params.stop_token_ids) | (
+                           frozenset() if params.ignore_eos else frozenset(self.eos_ids)))
         if self.tokenizer is not None:
             from eagle_jax.tokenizer import IncrementalDetokenizer
 
@@ -660,10 +663,11 @@ class Engine:
             if not req.finished:
                 live[slot] = req
         self._count_step(out, live)
+        tokens, num_tokens = out.tokens.tolist(), out.num_tokens.tolist()
         for slot, req in live.items():
-            n = int(out.num_tokens[slot])
+            n = num_tokens[slot]
             req.seq_len += n
-            toks = [int(t) for t in out.tokens[slot, :n]]
+            toks = tokens[slot][:n]
             lps = None
             if req.params.logprobs is not None:
                 k = req.params.logprobs
@@ -677,41 +681,46 @@ class Engine:
         return out, {slot: req.request_id for slot, req in live.items()}
 
     def _count_step(self, out, live: dict[int, _Request]):
+        """Adds the live rows of a step to the counters (vectorised over the rows: this
+        runs on the host between steps, at every batch size)."""
         s = self.stats
         s.num_steps += 1
-        for slot in live:
-            n = int(out.num_tokens[slot])
-            s.num_emitted_tokens += n
-            s.num_invalid_tokens += int(np.sum((out.tokens[slot, :n] < 0) |
-                                               (out.tokens[slot, :n] >= self.vocab_size)))
-            if self.num_steps:
-                a = int(out.accept_len[slot])
-                s.num_drafts += 1
-                s.num_draft_tokens += self.num_steps
-                s.num_accepted_tokens += a
-                for i in range(a):
-                    s.accepted_per_pos[i] += 1
-                s.num_malformed_draft_probs += int(out.num_malformed[slot])
-                s.num_sampler_fallbacks += int(out.num_fallback[slot])
+        if not live:
+            return
+        rows = np.fromiter(live, np.int64, len(live))
+        n = out.num_tokens[rows]
+        tokens = out.tokens[rows]
+        committed = np.arange(tokens.shape[1])[None] < n[:, None]
+        s.num_emitted_tokens += int(n.sum())
+        s.num_invalid_tokens += int(np.sum(committed & ((tokens < 0) |
+                                                        (tokens >= self.vocab_size))))
+        if self.num_steps:
+            accept = out.accept_len[rows]
+            s.num_drafts += len(rows)
+            s.num_draft_tokens += self.num_steps * len(rows)
+            s.num_accepted_tokens += int(accept.sum())
+            # Position i accepted in every row whose accept length exceeds i.
+            for i, count in enumerate(np.sum(accept[:, None] > np.arange(self.num_steps),
+                                             axis=0).tolist()):
+                s.accepted_per_pos[i] += count
+            s.num_malformed_draft_probs += int(out.num_malformed[rows].sum())
+            s.num_sampler_fallbacks += int(out.num_fallback[rows].sum())
 
     # ------------------------------------------------------------------ commit
     def _commit(self, req: _Request, tokens: list[int], logprobs, outputs):
         """Appends committed tokens, applying every stop condition in order."""
         p = req.params
-        kept, reason, stop_reason = [], None, None
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-        for tok in tokens:
-            kept.append(tok)
-            total = len(req.prompt) + len(req.output) + len(kept)
-            if tok in stop_ids:
-                reason, stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
-                break
-            if p.max_tokens is not None and len(req.output) + len(kept) >= p.max_tokens:
-                reason = "length"
-                break
-            if total >= self.max_model_len:
-                reason = "length"
-                break
+        # Tokens the request may still take before a length limit ends it.
+        room = self.max_model_len - len(req.prompt) - len(req.output)
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - len(req.output))
+        kept, reason, stop_reason = tokens, None, None
+        stop = next((j for j, tok in enumerate(tokens) if tok in req.stop_ids), None)
+        if stop is not None and stop < room:
+            kept, reason = tokens[:stop + 1], "stop"
+            stop_reason = tokens[stop] if tokens[stop] in p.stop_token_ids else None
+        elif len(tokens) >= room:
+            kept, reason = tokens[:room], "length"
         new_text = ""
         if req.detok is not None:
             new_text = req.detok.push(kept)
