@@ -41,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-steps", type=_positive_int, default=5, help="draft steps per step")
     g.add_argument("--num-draft-tokens", type=_positive_int, default=None,
                    help="draft tokens per step (default: num_steps + 1)")
-    g.add_argument("--draft-sample-method", default="greedy",
-                   choices=["greedy", "probabilistic"])
+    g.add_argument("--draft-sample-method", default="probabilistic",
+                   choices=["greedy", "probabilistic"],
+                   help="probabilistic: sampled requests draw draft tokens from the draft's "
+                        "distribution (greedy requests propose its argmax either way)")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="tokens per request (default: the target's own limit, capped by "
                         "what the KV pool holds; on a CPU by 4096)")

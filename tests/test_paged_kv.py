@@ -307,6 +307,9 @@ def test_backend_defaults_fill_only_what_is_unset():
     assert (gpu.dtype, gpu.max_num_seqs) == ("bfloat16", 8)
     assert EngineConfig(model="m", speculative_algorithm="NONE").for_backend("gpu")[0] \
         .max_num_seqs == 64
+    # Sampled rows draft from q by default (greedy rows propose the argmax either way).
+    assert EngineConfig(model="m", speculative_algorithm="NONE").draft_sample_method \
+        == "probabilistic"
 
 
 def test_cpu_engine_defaults_and_the_targets_context_limit(models, tmp_path, caplog):

@@ -21,9 +21,12 @@ class EngineConfig:
       speculative_algorithm: "EAGLE", "EAGLE3" or "NONE" (plain decoding).
       num_steps: S, draft tokens proposed per step (chain drafting).
       num_draft_tokens: S + 1 for chains (the verified window); None derives it.
-      draft_sample_method: "greedy" proposes the draft argmax (q one-hot in the accept
-        test); "probabilistic" samples sampled rows from the draft's q (greedy rows still
-        propose the argmax, 001).
+      draft_sample_method: "probabilistic" (the default) draws a sampled row's draft
+        tokens from the draft's q and tests them against the real q; greedy rows still
+        propose the argmax (001), so greedy output is the same under both. "greedy"
+        proposes every row's argmax (q one-hot in the accept test): a sampled row then
+        accepts less (on the default pair at temperature 1, accept length 1.67-1.87
+        against 2.66-2.77).
       max_model_len: prompt + generated tokens per request; None = the target's own
         limit, capped by what the KV pool holds (on a CPU, by CPU_MAX_MODEL_LEN).
       max_num_seqs: most requests decoded at once (slots); None = the backend's default
@@ -56,7 +59,7 @@ class EngineConfig:
     speculative_algorithm: str = "EAGLE3"
     num_steps: int = 5
     num_draft_tokens: int | None = None
-    draft_sample_method: str = "greedy"
+    draft_sample_method: str = "probabilistic"
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     page_size: int = 16

@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft steps S, comma-separated sweep (default 5)")
     g.add_argument("--temperature", type=_float_list, default=[0.0],
                    help="temperatures, comma-separated sweep (default 0)")
-    g.add_argument("--draft-sample-method", type=_method_list, default=["greedy"],
-                   help="greedy and/or probabilistic, comma-separated sweep")
+    g.add_argument("--draft-sample-method", type=_method_list, default=["probabilistic"],
+                   help="probabilistic (the engine's default) and/or greedy, "
+                        "comma-separated sweep")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
     g.add_argument("--skip-baseline", action="store_true",
