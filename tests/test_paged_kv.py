@@ -423,34 +423,37 @@ def test_requests_that_arrive_together_share_their_prefix(models):
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (30 + 31, 24)
 
 
-def test_prefill_chunks_ride_along_with_decoding(models):
-    """A 50-token prompt arrives while a request decodes, with a step budget that holds
-    one 16-position chunk: it is prefilled over four steps, in each of which the running
-    request still commits tokens. Both requests' greedy tokens equal a run whose budget
-    prefills the prompt in one go."""
+@pytest.mark.parametrize("algo", ["EAGLE3", "NONE"])
+def test_prefill_chunks_ride_along_with_decoding(models, algo):
+    """A 50-token prompt arrives while a request decodes: each step carries a 16-position
+    chunk of it in the decode step's own forward (rows of the step's width beside the
+    decode rows), so the running request commits tokens at every step while the prompt
+    is prefilled. Both requests' greedy tokens equal each one run alone (the prompt then
+    prefilled by its own chunk executable)."""
     rng = np.random.default_rng(13)
     short = [int(t) for t in rng.integers(7, 300, 6)]
     long = [int(t) for t in rng.integers(7, 300, 50)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-    def run(budget):
-        engine = _engine(models, "EAGLE3", max_num_batched_tokens=budget)
-        engine.add_request("short", short, greedy)
-        tokens = {"short": [], "long": []}
-        steps_in_prefill = []
-        for o in engine.step():
+    width = BASE["num_steps"] + 1 if algo == "EAGLE3" else 1
+    # The bucket's 4 decode rows of `width` plus 16 chunk positions.
+    engine = _engine(models, algo, max_num_batched_tokens=4 * width + 16)
+    assert engine._chunk_rows(4) * width == 16
+    engine.add_request("short", short, greedy)
+    tokens = {"short": [], "long": []}
+    for o in engine.step():
+        tokens[o.request_id].extend(o.new_token_ids)
+    engine.add_request("long", long, greedy)
+    steps_in_prefill = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        for o in outs:
             tokens[o.request_id].extend(o.new_token_ids)
-        engine.add_request("long", long, greedy)
-        while engine.has_unfinished_requests():
-            outs = engine.step()
-            for o in outs:
-                tokens[o.request_id].extend(o.new_token_ids)
-            if not tokens["long"]:
-                steps_in_prefill.append({o.request_id for o in outs if o.new_token_ids})
-        return tokens, steps_in_prefill
-
-    mixed, steps = run(8)
-    whole, whole_steps = run(512)
-    assert mixed == whole and len(mixed["long"]) == 12
-    assert len(steps) == 3 and all(s == {"short"} for s in steps)  # 16 + 16 + 16, then 2
-    assert whole_steps == []
+        if not tokens["long"]:
+            steps_in_prefill.append({o.request_id for o in outs if o.new_token_ids})
+    alone = {rid: _run(_engine(models, algo), [(rid, prompt, greedy)])[0][rid]
+             for rid, prompt in (("short", short), ("long", long))}
+    assert tokens == alone and len(tokens["long"]) == 12
+    # 50 positions in chunks of 16: four steps carry them; the short request (12 tokens)
+    # may finish first, but not before the second chunk.
+    assert len(steps_in_prefill) >= 3
+    assert all(s == {"short"} for s in steps_in_prefill[:2])

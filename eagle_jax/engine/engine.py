@@ -306,10 +306,14 @@ class Engine:
             self._compiled[key] = self._compile_fn(key[0], fn, example_args, donate_argnums)
         return self._compiled[key]
 
-    def _step_fn(self, batch: int, with_logprobs: bool):
-        """The step executable of a batch bucket, compiled on first use."""
-        return self._executable(("step", batch, with_logprobs),
-                                self.step_function(batch, with_logprobs), self.step_inputs(),
+    def _step_fn(self, batch: int, with_logprobs: bool, chunk_rows: int = 0):
+        """The step executable of a batch bucket (carrying a prompt chunk of
+        ``chunk_rows`` rows, or none), compiled on first use."""
+        args = self.step_inputs()
+        if chunk_rows:
+            args += (self._chunk_spec(chunk_rows * self.step_tokens),)
+        return self._executable(("step", batch, with_logprobs, chunk_rows),
+                                self.step_function(batch, with_logprobs, chunk_rows), args,
                                 (2,))
 
     def step_inputs(self) -> tuple:
@@ -317,45 +321,57 @@ class Engine:
         parameters, state, page updates), the updates empty (e.g. for ``jax.export``)."""
         return self._target_params, self._draft_params, self.state, self._page_updates([])
 
-    def step_function(self, batch: int, with_logprobs: bool = False) -> Callable:
+    def step_function(self, batch: int, with_logprobs: bool = False,
+                      chunk_rows: int = 0) -> Callable:
         """The pure step of a batch bucket:
         ``(target_params, draft_params, state, page_updates) -> (state, StepOutput)``;
-        the engine compiles it with ``state`` donated."""
+        with ``chunk_rows``, a fifth argument, a ``PrefillChunk`` of ``chunk_rows`` x
+        step_tokens positions, rides in the step's forward. The engine compiles it with
+        ``state`` donated."""
         tg, dg, cfg = self._target_graph, self._draft_graph, self.config
 
-        def run(target_params, draft_params, state, page_updates):
+        def run(target_params, draft_params, state, page_updates, chunk=None):
             target = _merge(tg, target_params)
             if dg is None:
                 return step_lib.plain_step(target, state, page_updates, batch=batch,
                                            vocab_size=self.vocab_size,
-                                           with_logprobs=with_logprobs)
+                                           with_logprobs=with_logprobs, chunk=chunk)
             return step_lib.spec_step(
                 target, _merge(dg, draft_params), state, page_updates, batch=batch,
                 num_steps=cfg.num_steps,
                 probabilistic=cfg.draft_sample_method == "probabilistic",
                 vocab_size=self.vocab_size, with_logprobs=with_logprobs,
                 draft_probs_hook=self._draft_probs_hook,
-                synthetic_acceptance=cfg.synthetic_acceptance)
+                synthetic_acceptance=cfg.synthetic_acceptance, chunk=chunk)
 
         return run
 
-    def _prefill_fn(self, chunk: int):
-        tg, dg = self._target_graph, self._draft_graph
-
-        def run(target_params, draft_params, state, slot, page_row, tokens, start, length, nxt,
-                is_last, sample_next):
-            target = _merge(tg, target_params)
-            draft = _merge(dg, draft_params)
-            return step_lib.prefill_chunk(target, draft, state, slot, page_row, tokens, start,
-                                          length, nxt, is_last, sample_next,
-                                          vocab_size=self.vocab_size)
-
+    def _chunk_spec(self, size: int) -> step_lib.PrefillChunk:
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         flag = jax.ShapeDtypeStruct((), jnp.bool_)
-        args = (self._target_params, self._draft_params, self.state, i32,
-                jax.ShapeDtypeStruct((self.max_pages,), jnp.int32),
-                jax.ShapeDtypeStruct((chunk,), jnp.int32), i32, i32, i32, flag, flag)
-        return self._executable(("prefill", chunk), run, args, (2,))
+        return step_lib.PrefillChunk(
+            slot=i32, page_row=jax.ShapeDtypeStruct((self.max_pages,), jnp.int32),
+            tokens=jax.ShapeDtypeStruct((size,), jnp.int32), start=i32, length=i32,
+            next_token=i32, is_last=flag, sample_next=flag)
+
+    def _prefill_fn(self, size: int):
+        """The executable that prefills one chunk of ``size`` positions alone."""
+        tg, dg = self._target_graph, self._draft_graph
+
+        def run(target_params, draft_params, state, chunk):
+            return step_lib.prefill_chunk(_merge(tg, target_params), _merge(dg, draft_params),
+                                          state, chunk, vocab_size=self.vocab_size)
+
+        args = (self._target_params, self._draft_params, self.state, self._chunk_spec(size))
+        return self._executable(("prefill", size), run, args, (2,))
+
+    def _chunk_rows(self, batch: int) -> int:
+        """Rows of step_tokens positions that a decode step of bucket ``batch`` carries
+        for a prompt chunk: the step's token budget less its own rows, at most the
+        longest prefill chunk, at least one row."""
+        room = min(self.config.max_num_batched_tokens - batch * self.step_tokens,
+                   self.chunk_len)
+        return max(1, room // self.step_tokens)
 
     def _assign_fn(self):
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
@@ -371,12 +387,15 @@ class Engine:
     def precompile(self, with_logprobs: bool = False) -> None:
         """Compiles every prefill and step bucket ahead of serving."""
         jobs = [("prefill", c) for c in self.prefill_buckets] + [
-            ("step", b) for b in self.batch_buckets]
+            ("step", b) for b in self.batch_buckets] + [
+            ("step with a prompt chunk", b) for b in self.batch_buckets]
         for kind, size in tqdm(jobs, desc="compiling buckets", leave=False):
             if kind == "prefill":
                 self._prefill_fn(size)
-            else:
+            elif kind == "step":
                 self._step_fn(size, with_logprobs)
+            else:
+                self._step_fn(size, with_logprobs, self._chunk_rows(size))
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -442,10 +461,10 @@ class Engine:
         """
         outputs: list[RequestOutput] = []
         self._process_aborts(outputs)
-        self._schedule_prefills(outputs)
+        carried = self._schedule_prefills(outputs)
         occupied = {i: r for i, r in enumerate(self._slots)
                     if r is not None and not r.in_prefill}
-        launched = self._launch(occupied) if occupied else None
+        launched = self._launch(occupied, carried) if occupied else None
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         collected = self._collect(*launched, outputs) if launched is not None else (None, {})
@@ -484,21 +503,36 @@ class Engine:
             req.page_keys = page_hashes(tokens, self.page_size, req.page_keys)
         return req.page_keys
 
-    def _schedule_prefills(self, outputs) -> None:
+    def _schedule_prefills(self, outputs) -> _Request | None:
         """Spends this step's prefill budget (``max_num_batched_tokens`` less the running
         requests' decode rows; at least one smallest chunk): first on the requests
         already in prefill, oldest first, then on waiting requests admitted one by one
-        while budget is left. A request is matched against the prefix cache when it is
-        admitted, after the chunks before it ran, so requests that arrive together share
-        the pages of their common prefix."""
-        decoding = sum(r is not None and not r.in_prefill for r in self._slots)
-        budget = max(self.config.max_num_batched_tokens - decoding * self.step_tokens,
+        while budget is left. While requests decode, the first of these is carried by
+        the decode step (its next chunk rides in the step's forward: returned, for
+        ``_launch``); the others are prefilled by chunk executables of their own. A
+        request is matched against the prefix cache when it is admitted, after the
+        chunks before it ran, so requests that arrive together share the pages of their
+        common prefix."""
+        decoding = [slot for slot, r in enumerate(self._slots)
+                    if r is not None and not r.in_prefill]
+        budget = max(self.config.max_num_batched_tokens - len(decoding) * self.step_tokens,
                      self.prefill_buckets[0])
+        carried = None
+
+        def schedule(req):
+            nonlocal carried
+            if decoding and carried is None:
+                carried = req
+                batch = next(b for b in self.batch_buckets if b > max(decoding))
+                return budget - self._chunk_rows(batch) * self.step_tokens
+            return self._prefill(req, budget, outputs)
+
         for req in sorted((r for r in self._slots if r is not None and r.in_prefill),
                           key=lambda r: r.admitted):
-            budget = self._prefill(req, budget, outputs)
+            budget = schedule(req)
         while budget > 0 and (req := self._admit()) is not None:
-            budget = self._prefill(req, budget, outputs)
+            budget = schedule(req)
+        return carried
 
     def _admit(self) -> _Request | None:
         """Gives the oldest waiting request a slot and the pages of its known tokens (the
@@ -538,47 +572,56 @@ class Engine:
                                        SamplingRows.from_params(req.params), key)
         return req
 
-    def _prefill(self, req: _Request, budget: int, outputs) -> int:
-        """Runs the request's next prefill chunks, ``budget`` positions at most; returns
-        the budget left. After its last chunk the request decodes: a new one commits
-        its first token, sampled by that chunk."""
+    def _next_chunk(self, req: _Request, max_len: int, size: int | None = None
+                    ) -> step_lib.PrefillChunk:
+        """The request's next prefill chunk, at most ``max_len`` positions, padded to
+        ``size`` (default: the smallest prefill bucket that holds it). Advances the
+        request's prefilled length; its last chunk ends its prefill."""
         tokens = self._known_tokens(req)
         known = len(req.prompt) + max(len(req.output) - 1, 0)
-        resumed = bool(req.output)
-        page_row = self.page_allocator.page_row(req.slot)
-        out = None
-        while req.seq_len < known and budget > 0:
-            start = req.seq_len
-            length = min(self.chunk_len, known - start, budget)
-            chunk = next(b for b in self.prefill_buckets if b >= length)
-            chunk_tokens = np.zeros((chunk,), np.int32)
-            chunk_tokens[:length] = tokens[start:start + length]
-            is_last = start + length == known
-            # The known token after the chunk (a new request's first token is sampled).
-            nxt = tokens[start + length] if start + length < len(tokens) else 0
-            self.state, out = self._prefill_fn(chunk)(
-                self._target_params, self._draft_params, self.state, np.int32(req.slot),
-                page_row, chunk_tokens, np.int32(start), np.int32(length), np.int32(nxt),
-                np.bool_(is_last), np.bool_(is_last and not resumed))
-            req.seq_len += length
-            budget -= length
-            self._register_pages(req)
-        if req.seq_len < known:
-            return budget
-        req.in_prefill = False
-        if resumed:  # its tokens were committed before the preemption
-            return budget
-        token, lp, top_ids, top_lp = jax.device_get(out)
+        start = req.seq_len
+        length = min(self.chunk_len, known - start, max_len)
+        size = size or next(b for b in self.prefill_buckets if b >= length)
+        padded = np.zeros((size,), np.int32)
+        padded[:length] = tokens[start:start + length]
+        is_last = start + length == known
+        # The known token after the chunk (a new request's first token is sampled).
+        nxt = tokens[start + length] if start + length < len(tokens) else 0
+        chunk = step_lib.PrefillChunk(
+            slot=np.int32(req.slot), page_row=self.page_allocator.page_row(req.slot),
+            tokens=padded, start=np.int32(start), length=np.int32(length),
+            next_token=np.int32(nxt), is_last=np.bool_(is_last),
+            sample_next=np.bool_(is_last and not req.output))
+        req.seq_len += length
+        req.in_prefill = not is_last
+        self._register_pages(req)
+        return chunk
+
+    def _prefill(self, req: _Request, budget: int, outputs) -> int:
+        """Runs the request's next prefill chunks alone, ``budget`` positions at most;
+        returns the budget left. After its last chunk the request decodes: a new one
+        commits its first token, sampled by that chunk."""
+        out = chunk = None
+        while req.in_prefill and budget > 0:
+            chunk = self._next_chunk(req, budget)
+            budget -= int(chunk.length)
+            self.state, out = self._prefill_fn(chunk.tokens.shape[0])(
+                self._target_params, self._draft_params, self.state, chunk)
+        if chunk is not None and chunk.sample_next:
+            self._commit_first_token(req, jax.device_get(out), outputs)
+        return budget
+
+    def _commit_first_token(self, req: _Request, out: step_lib.PrefillOutput, outputs):
+        """Commits the token a new request's last prefill chunk sampled (host values)."""
         logprob = None
         if req.params.logprobs is not None:
             k = req.params.logprobs
-            logprob = [TokenLogprob(int(token), float(lp), {
-                int(i): float(v) for i, v in zip(top_ids[:k], top_lp[:k])})]
+            logprob = [TokenLogprob(int(out.token), float(out.logprob), {
+                int(i): float(v) for i, v in zip(out.top_ids[:k], out.top_logprobs[:k])})]
         req.first_token_time = time.monotonic()
-        self._commit(req, [int(token)], logprob, outputs)
+        self._commit(req, [int(out.token)], logprob, outputs)
         if not req.finished:
             self._register_pages(req)  # the page the first token completes
-        return budget
 
     def _register_pages(self, req: _Request) -> None:
         """Offers the request's full, final pages to the prefix cache (host work only
@@ -633,28 +676,44 @@ class Engine:
             rows[:len(updates)] = updates
         return rows
 
-    def _launch(self, occupied: dict[int, _Request]):
-        """Dispatches the step of the smallest bucket covering every occupied slot."""
+    def _launch(self, occupied: dict[int, _Request], carried: _Request | None = None):
+        """Dispatches the step of the smallest bucket covering every occupied slot, with
+        the next prompt chunk of ``carried`` (a request in prefill) riding in it."""
         self._reserve_step_pages(occupied)
         if not occupied:
             return None
         batch = next(b for b in self.batch_buckets if b > max(occupied))
         with_logprobs = any(r.params.logprobs is not None for r in occupied.values())
-        fn = self._step_fn(batch, with_logprobs)
-        self.state, out = fn(self._target_params, self._draft_params, self.state,
-                             self._page_updates(self.page_allocator.take_updates()))
+        args = (self._target_params, self._draft_params, self.state,
+                self._page_updates(self.page_allocator.take_updates()))
+        chunk_rows, first_token_of = 0, None
+        if carried is not None and carried.in_prefill and carried.slot >= 0:  # not preempted
+            chunk_rows = self._chunk_rows(batch)
+            size = chunk_rows * self.step_tokens
+            chunk = self._next_chunk(carried, size, size)
+            args += (chunk,)
+            if chunk.sample_next:
+                first_token_of = (carried, carried.preemptions)
+        self.state, out = self._step_fn(batch, with_logprobs, chunk_rows)(*args)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         for req in occupied.values():
             req.in_flight += 1
-        return out, {slot: (req, req.preemptions) for slot, req in occupied.items()}
+        return (out, {slot: (req, req.preemptions) for slot, req in occupied.items()},
+                first_token_of)
 
-    def _collect(self, out, occupied: dict[int, tuple[_Request, int]], outputs):
-        """Reads a step's tokens (the one host read of the step) and commits them.
+    def _collect(self, out, occupied: dict[int, tuple[_Request, int]],
+                 first_token_of: tuple[_Request, int] | None, outputs):
+        """Reads a step's tokens (the one host read of the step) and commits them, and
+        the first token of the request whose last prompt chunk the step carried.
 
         Returns the host StepOutput and the step's live rows (slot -> request id): the
         requests neither finished nor preempted since the step was dispatched."""
         out = jax.device_get(out)
+        if first_token_of is not None:
+            req, preemptions = first_token_of
+            if req.preemptions == preemptions and not req.finished:
+                self._commit_first_token(req, out.prefill, outputs)
         live = {}
         for slot, (req, preemptions) in occupied.items():
             if req.preemptions != preemptions:

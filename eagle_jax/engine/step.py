@@ -53,6 +53,13 @@ class DecodeState(NamedTuple):
     active: Array  # bool
 
 
+class PrefillOutput(NamedTuple):
+    token: Array  # [] i32 the first generated token (valid on the last chunk)
+    logprob: Array  # [] f32
+    top_ids: Array  # [MAX_LOGPROBS] i32
+    top_logprobs: Array  # [MAX_LOGPROBS] f32
+
+
 class StepOutput(NamedTuple):
     """What the host reads after a step. Shapes [B, W] with W = S + 1 (1 for plain)."""
 
@@ -64,13 +71,40 @@ class StepOutput(NamedTuple):
     logprob: Array | None  # [B, W] f32 logprob of each committed token
     top_ids: Array | None  # [B, W, MAX_LOGPROBS] i32
     top_logprobs: Array | None  # [B, W, MAX_LOGPROBS] f32
+    prefill: PrefillOutput | None = None  # the chunk the step carried (``chunk=``)
 
 
-class PrefillOutput(NamedTuple):
-    token: Array  # [] i32 the first generated token (valid on the last chunk)
-    logprob: Array  # [] f32
-    top_ids: Array  # [MAX_LOGPROBS] i32
-    top_logprobs: Array  # [MAX_LOGPROBS] f32
+class PrefillChunk(NamedTuple):
+    """A chunk of one request's known tokens, to prefill into the pages of ``slot``.
+
+    page_row: [max_pages] the slot's page table row (the host reserved every page of the
+    known tokens); tokens: [C] (padded past ``length``) at positions start ..
+    start+length-1; next_token: the known token after the chunk (the next prompt token,
+    or a resumed request's last generated token); sample_next: the chunk ends a new
+    request's prompt, so the token after it is sampled (the first generated token)
+    instead. Scalars are [] arrays.
+    """
+
+    slot: Array
+    page_row: Array
+    tokens: Array
+    start: Array
+    length: Array
+    next_token: Array
+    is_last: Array
+    sample_next: Array
+
+    def positions(self) -> Array:
+        """[C] the tokens' positions, PAD_POSITION past ``length``."""
+        idx = jnp.arange(self.tokens.shape[0])
+        return jnp.where(idx < self.length, self.start + idx, PAD_POSITION)
+
+    def rows(self, width: int) -> tuple[Array, Array]:
+        """The chunk as [C / width, width] rows of tokens and positions: each row a query
+        block at consecutive positions, so a decode step's forward carries it beside its
+        own rows (each later row attends to the earlier ones, written in the same layer
+        before attention)."""
+        return (self.tokens.reshape(-1, width), self.positions().reshape(-1, width))
 
 
 def _split_keys(keys: Array, num: int) -> tuple[Array, Array]:
@@ -106,13 +140,6 @@ def apply_page_updates(state: DecodeState, updates: Array) -> DecodeState:
     return state._replace(page_table=table)
 
 
-def _caches(state: DecodeState, page_table: Array) -> tuple[KVCache, KVCache | None]:
-    """The target's and the draft's (None without one) KVCache over the rows of
-    ``page_table``."""
-    draft_cache = None if state.draft_pages is None else KVCache(state.draft_pages, page_table)
-    return KVCache(state.target_pages, page_table), draft_cache
-
-
 def _rows(state: DecodeState, batch: int):
     return (state.seq_len[:batch], state.last_token[:batch], state.sampling.rows(batch),
             state.key[:batch], state.active[:batch])
@@ -122,22 +149,54 @@ def _write_rows(x: Array, batch: int, new: Array) -> Array:
     return x.at[:batch].set(new.astype(x.dtype))
 
 
+def _forward_with_chunk(target, state: DecodeState, tokens: Array, positions: Array,
+                        chunk: PrefillChunk | None, aux_layers) -> tuple:
+    """The target's forward over the step's rows [B, W], and the chunk's rows after them
+    when the step carries one (one read of the weights for both).
+
+    Returns (the forward's output for the B rows: hidden, aux_hidden, logits; the
+    chunk's hidden [1, C, H] and aux_hidden [1, C, F] or None; the updated pool)."""
+    batch, width = tokens.shape
+    table = state.page_table[:batch]
+    if chunk is not None:
+        chunk_tokens, chunk_pos = chunk.rows(width)
+        tokens = jnp.concatenate([tokens, chunk_tokens])
+        positions = jnp.concatenate([positions, chunk_pos])
+        table = jnp.concatenate([table, jnp.broadcast_to(
+            chunk.page_row, (chunk_tokens.shape[0], table.shape[1]))])
+    out = target(tokens, positions, KVCache(state.target_pages, table), aux_layers=aux_layers,
+                 compute_logits=False)
+
+    def split(x):
+        if x is None:
+            return None, None
+        return x[:batch], (None if chunk is None else x[batch:].reshape(1, -1, x.shape[-1]))
+
+    hidden, chunk_hidden = split(out.hidden)
+    aux, chunk_aux = split(out.aux_hidden)
+    return hidden, aux, target.logits(hidden), chunk_hidden, chunk_aux, out.cache.pages
+
+
 def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
-               vocab_size: int, with_logprobs: bool) -> tuple[DecodeState, StepOutput]:
-    """One token per request from the target alone (the non-speculative baseline)."""
+               vocab_size: int, with_logprobs: bool, chunk: PrefillChunk | None = None,
+               ) -> tuple[DecodeState, StepOutput]:
+    """One token per request from the target alone (the non-speculative baseline); with
+    ``chunk``, a prompt chunk of another request rides in the same forward."""
     state = apply_page_updates(state, page_updates)
+    if chunk is not None:
+        state = state._replace(page_table=state.page_table.at[chunk.slot].set(chunk.page_row))
     seq_len, last, rows, keys, active = _rows(state, batch)
     keys, sub = _split_keys(keys, 1)
     positions = jnp.where(active, seq_len, PAD_POSITION)[:, None]
-    target_cache, _ = _caches(state, state.page_table[:batch])
-    out = target(last[:, None], positions, target_cache)
-    logits = out.logits[:, 0]
+    _, _, logits, chunk_hidden, chunk_aux, pages = _forward_with_chunk(
+        target, state, last[:, None], positions, chunk, ())
+    logits = logits[:, 0]
     probs = sampling_probs(logits, rows, vocab_size)
     token = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])
     token = jnp.where(active, token, -1)
     n = active.astype(jnp.int32)
     state = state._replace(
-        target_pages=out.cache.pages,
+        target_pages=pages,
         seq_len=_write_rows(state.seq_len, batch, seq_len + n),
         last_token=_write_rows(state.last_token, batch, jnp.where(active, token, last)),
         key=_write_rows(state.key, batch, keys),
@@ -145,15 +204,23 @@ def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
     lp = (token_logprobs(logits[:, None], token[:, None], vocab_size) if with_logprobs
           else (None,) * 3)
     zeros = jnp.zeros((batch,), jnp.int32)
-    return state, StepOutput(token[:, None], n, zeros, zeros, zeros, *lp)
+    prefill = None
+    if chunk is not None:
+        state, prefill = _finish_chunk(target, None, state, chunk, chunk_hidden, chunk_aux,
+                                       vocab_size=vocab_size)
+    return state, StepOutput(token[:, None], n, zeros, zeros, zeros, *lp, prefill=prefill)
 
 
 def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: int,
               num_steps: int, probabilistic: bool, vocab_size: int, with_logprobs: bool,
               draft_probs_hook: Callable[[Array], Array] | None = None,
-              synthetic_acceptance: float | None = None,
+              synthetic_acceptance: float | None = None, chunk: PrefillChunk | None = None,
               ) -> tuple[DecodeState, StepOutput]:
     """Propose S draft tokens, verify S + 1 positions, accept, extend the draft, commit.
+
+    With ``chunk``, a prompt chunk of another request rides in the verify forward (its
+    tokens as extra rows of S + 1), then gets its draft extend and, on its last chunk,
+    its first token, as ``prefill_chunk`` would give them.
 
     ``draft_probs_hook`` (tests only) rewrites the draft probabilities between the
     proposal and the sampler, as a corrupted buffer would (004).
@@ -163,8 +230,10 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     """
     S = num_steps
     state = apply_page_updates(state, page_updates)
+    if chunk is not None:
+        state = state._replace(page_table=state.page_table.at[chunk.slot].set(chunk.page_row))
     seq_len, last, rows, keys, active = _rows(state, batch)
-    target_cache, draft_cache = _caches(state, state.page_table[:batch])
+    draft_cache = KVCache(state.draft_pages, state.page_table[:batch])
     keys, sub = _split_keys(keys, 3)
     u_propose = _uniforms(sub[:, 0], S)
     u_accept = _uniforms(sub[:, 1], S + 1)
@@ -206,14 +275,15 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     window = jnp.arange(S + 1)
     verify_tokens = jnp.concatenate([last[:, None], draft_tokens], axis=1)
     verify_pos = jnp.where(active[:, None], seq_len[:, None] + window, PAD_POSITION)
-    out = target(verify_tokens, verify_pos, target_cache, aux_layers=draft.feature_layers or ())
-    features = out.aux_hidden if draft.feature_layers else out.hidden
+    hidden, aux, target_logits, chunk_hidden, chunk_aux, target_pages = _forward_with_chunk(
+        target, state, verify_tokens, verify_pos, chunk, draft.feature_layers or ())
+    features = aux if draft.feature_layers else hidden
 
     # 3. Accept (Pallas sampler).
-    res = speculative_sample(draft_tokens, draft_probs, out.logits, rows, u_accept, vocab_size,
-                             active, draft_probs_ok=draft_probs_ok)
+    res = speculative_sample(draft_tokens, draft_probs, target_logits, rows, u_accept,
+                             vocab_size, active, draft_probs_ok=draft_probs_ok)
     if synthetic_acceptance is not None:
-        res = _synthetic_verdict(res, draft_tokens, out.logits, _uniforms(sub[:, 2], S),
+        res = _synthetic_verdict(res, draft_tokens, target_logits, _uniforms(sub[:, 2], S),
                                  synthetic_acceptance, active)
     accept = res.accept_len
     emitted = jnp.take_along_axis(res.tokens, accept[:, None], axis=1)[:, 0]
@@ -230,7 +300,7 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     n = jnp.where(active, accept + 1, 0)
     keep = active[:, None]
     state = state._replace(
-        target_pages=out.cache.pages,
+        target_pages=target_pages,
         draft_pages=ext.cache.pages,
         seq_len=_write_rows(state.seq_len, batch, seq_len + n),
         last_token=_write_rows(state.last_token, batch, jnp.where(active, emitted, last)),
@@ -240,9 +310,14 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
                                  jnp.where(keep, ext.logits, state.draft_logits[:batch])),
         key=_write_rows(state.key, batch, keys),
     )
-    lp = (token_logprobs(out.logits, res.tokens, vocab_size) if with_logprobs else (None,) * 3)
+    lp = (token_logprobs(target_logits, res.tokens, vocab_size) if with_logprobs
+          else (None,) * 3)
+    prefill = None
+    if chunk is not None:
+        state, prefill = _finish_chunk(target, draft, state, chunk, chunk_hidden, chunk_aux,
+                                       vocab_size=vocab_size)
     return state, StepOutput(res.tokens, n, jnp.where(active, accept, 0), res.num_malformed_q,
-                             res.num_fallback, *lp)
+                             res.num_fallback, *lp, prefill=prefill)
 
 
 def _synthetic_verdict(res, draft_tokens: Array, target_logits: Array, u: Array, rate: float,
@@ -262,50 +337,53 @@ def _synthetic_verdict(res, draft_tokens: Array, target_logits: Array, u: Array,
                         num_tokens=jnp.where(active, accept + 1, 0))
 
 
-def prefill_chunk(target, draft, state: DecodeState, slot: Array, page_row: Array,
-                  tokens: Array, start: Array, length: Array, next_token: Array,
-                  is_last: Array, sample_next: Array, *, vocab_size: int
-                  ) -> tuple[DecodeState, PrefillOutput]:
-    """Prefill one chunk of one request's known tokens into the pages of ``slot``.
+def prefill_chunk(target, draft, state: DecodeState, chunk: PrefillChunk, *,
+                  vocab_size: int) -> tuple[DecodeState, PrefillOutput]:
+    """Prefill one chunk of one request's known tokens into the pages of its slot, alone
+    (a step with no request decoding; else the decode step carries the chunk).
 
-    page_row: [max_pages] the slot's page table row (the host reserved every page of the
-    known tokens); tokens: [C] (padded past ``length``) at positions start ..
-    start+length-1; next_token: the known token after the chunk (the next prompt token,
-    or a resumed request's last generated token); sample_next: the chunk ends a new
-    request's prompt, so the token after it is sampled (the first generated token)
-    instead. On the last chunk the slot becomes active with that token as
+    On the last chunk the slot becomes active with the token after the chunk as
     ``last_token``; the draft (a different model class: 003) runs its own extend over
     the chunk, the tokens shifted by one.
     """
-    c = tokens.shape[0]
-    idx = jnp.arange(c)
-    valid = idx < length
-    positions = jnp.where(valid, start + idx, PAD_POSITION)[None]
-    state = state._replace(page_table=state.page_table.at[slot].set(page_row))
-    target_cache, draft_cache = _caches(state, page_row[None])
-    last_row = length - 1
-    out = target(tokens[None], positions, target_cache, logit_rows=last_row[None, None],
+    state = state._replace(page_table=state.page_table.at[chunk.slot].set(chunk.page_row))
+    out = target(chunk.tokens[None], chunk.positions()[None],
+                 KVCache(state.target_pages, chunk.page_row[None]), compute_logits=False,
                  aux_layers=(draft.feature_layers or ()) if draft is not None else ())
-    logits = out.logits[:, 0]  # [1, V]
+    state = state._replace(target_pages=out.cache.pages)
+    return _finish_chunk(target, draft, state, chunk, out.hidden, out.aux_hidden,
+                         vocab_size=vocab_size)
+
+
+def _finish_chunk(target, draft, state: DecodeState, chunk: PrefillChunk, hidden: Array,
+                  aux_hidden: Array | None, *, vocab_size: int
+                  ) -> tuple[DecodeState, PrefillOutput]:
+    """After the target's forward over a chunk (hidden [1, C, H], aux_hidden [1, C, F]):
+    the token after it (sampled on a new request's last chunk), the draft's extend over
+    the chunk, and the slot's state."""
+    slot, length = chunk.slot, chunk.length
+    last_hidden = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=True)
+    logits = target.logits(last_hidden)  # [1, V]
     key, sub = _split_keys(state.key[slot][None], 1)
     rows = SamplingRows(*(x[slot][None] for x in state.sampling))
     probs = sampling_probs(logits, rows, vocab_size)
     first = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])[0]
-    following = jnp.where(sample_next, first, next_token)
+    following = jnp.where(chunk.sample_next, first, chunk.next_token)
     lp, top_ids, top_lp = token_logprobs(logits, first[None], vocab_size)
-    total = start + length
+    is_last = chunk.is_last
     updates = dict(
-        target_pages=out.cache.pages,
-        seq_len=state.seq_len.at[slot].set(jnp.where(is_last, total, state.seq_len[slot])),
+        seq_len=state.seq_len.at[slot].set(
+            jnp.where(is_last, chunk.start + length, state.seq_len[slot])),
         last_token=state.last_token.at[slot].set(
             jnp.where(is_last, following, state.last_token[slot])),
         key=state.key.at[slot].set(jnp.where(is_last, key[0], state.key[slot])),
         active=state.active.at[slot].set(state.active[slot] | is_last),
     )
     if draft is not None:
-        features = out.aux_hidden if draft.feature_layers else out.hidden
-        ext = draft_extend(draft, tokens[None], following[None], length[None], features,
-                           positions, draft_cache)
+        features = aux_hidden if draft.feature_layers else hidden
+        ext = draft_extend(draft, chunk.tokens[None], following[None], length[None], features,
+                           chunk.positions()[None],
+                           KVCache(state.draft_pages, chunk.page_row[None]))
         updates.update(
             draft_pages=ext.cache.pages,
             draft_hidden=state.draft_hidden.at[slot].set(ext.hidden[0].astype(
