@@ -7,9 +7,11 @@ sampling tensors written; the full pages of a prefix an earlier request computed
 from the prefix cache), finished and aborted requests leave and return their pages. A
 joined request's remaining prompt is prefilled in chunks, at most
 ``max_num_batched_tokens`` positions per engine step less the running requests' decode
-rows, so a long prompt no longer stalls the requests already decoding: each step
-dispatches its prefill chunks, then the decode step of the running requests (a request
-whose last chunk ran joins that step). Before each step every running request is given the pages the
+rows, so a long prompt no longer stalls the requests already decoding: the oldest
+request in prefill has its next chunk carried by the decode step itself (its tokens are
+extra rows of the step's forward, so the weights are read once for both); others, and
+every chunk when nothing decodes, run as prefill executables of their own before the
+step (a request whose last chunk ran alone joins that step). Before each step every running request is given the pages the
 step may write; when the pool runs out, the newest running request is preempted: its
 pages are freed and it goes back to the front of the queue, to be recomputed from its
 prompt and the tokens it already produced (nothing it streamed is repeated). A step runs

@@ -16,6 +16,12 @@ which the next step's first draft token comes.
 The host's page allocator gives pages out between steps; each step and prefill first
 applies the page-table entries the host assigned since the last one (``page_updates``),
 so the table never travels whole.
+
+A step may carry one prompt chunk of a request in prefill (``chunk``): its C positions
+become C / W extra rows of the step's width W beside the B decode rows of the target's
+forward, each row a query block at consecutive positions whose page table row is the
+prefilling slot's. The KV pool is written before attention in every layer, so a chunk
+row sees the rows before it; the weights are read once for decode and prefill.
 """
 
 from __future__ import annotations
