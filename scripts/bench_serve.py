@@ -8,7 +8,14 @@ profile`` against ``/v1/completions`` at each concurrency: streaming, synthetic 
 ``ignore_eos`` so that every request generates ``--osl`` tokens (counted by the server's
 ``usage``). From AIPerf's JSON export it keeps request throughput, output tokens/s, and
 the TTFT and inter-token latency percentiles; from the server's ``/metrics`` the accept
-length. One JSON, one plot and a Markdown table come out.
+length and the prefix-cache hit rate. One JSON, one plot and a Markdown table come out.
+
+``--prefix-len N`` puts one N-token prefix before every prompt (a shared system prompt:
+AIPerf's prefix prompt pool of one); ``--modes eagle3,eagle3-no-prefix-cache`` then
+compares the server with prefix caching on and off:
+
+    python scripts/bench_serve.py --prefix-len 1024 --isl 64 --osl 128 --concurrency 32 \
+        --modes eagle3,eagle3-no-prefix-cache
 
     python scripts/bench_serve.py                          # the embedded default pair
     python scripts/bench_serve.py --model DIR --draft-model DIR
@@ -46,7 +53,8 @@ sys.path.insert(0, REPO)
 
 from eagle_jax.testutil.server import ServerProcess  # noqa: E402
 
-MODES = {"eagle3": "EAGLE-3", "plain": "no speculation"}
+MODES = {"eagle3": "EAGLE-3", "plain": "no speculation",
+         "eagle3-no-prefix-cache": "EAGLE-3, no prefix cache"}
 SHAPES = ("llama-8b", "small")
 PERCENTILES = ("p50", "p90", "p99")
 SERVED_NAME = "bench"
@@ -133,18 +141,21 @@ def random_pair(shape: str, checkpoint_dir: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------ one run
-def _scrape_acceptance(base_url: str) -> tuple[float, float]:
-    """(accepted draft tokens, drafts) so far, from the server's vLLM-named counters."""
+COUNTERS = ("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_drafts",
+            "vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+
+
+def _scrape_counters(base_url: str) -> dict[str, float]:
+    """COUNTERS so far, from the server's vLLM-named /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = {"vllm:spec_decode_num_accepted_tokens": 0.0, "vllm:spec_decode_num_drafts": 0.0}
+    totals = dict.fromkeys(COUNTERS, 0.0)
     for family in text_string_to_metric_families(httpx.get(base_url + "/metrics").text):
         for s in family.samples:
             if s.name.endswith("_total") and s.name[:-len("_total")] in totals:
                 totals[s.name[:-len("_total")]] += s.value
-    return (totals["vllm:spec_decode_num_accepted_tokens"],
-            totals["vllm:spec_decode_num_drafts"])
+    return totals
 
 
 def _stat(metric: dict) -> dict:
@@ -162,6 +173,8 @@ def run_aiperf(args, base_url: str, tokenizer_dir: str, concurrency: int,
            "--warmup-request-count", str(concurrency), "--random-seed", str(args.seed),
            "--use-server-token-count", "--extra-inputs", "ignore_eos:true",
            "--extra-inputs", "temperature:0", "--artifact-dir", artifact_dir]
+    if args.prefix_len:  # one prefix before every prompt (a shared system prompt)
+        cmd += ["--prefix-prompt-pool-size", "1", "--prefix-prompt-length", str(args.prefix_len)]
     env = {k: v for k, v in os.environ.items() if k not in OFFLINE_VARIABLES}
     with open(artifact_dir + ".log", "wb") as log:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -186,8 +199,10 @@ def run_aiperf(args, base_url: str, tokenizer_dir: str, concurrency: int,
 
 def bench_mode(args, mode: str, target: str, draft: str | None, out_dir: str) -> list[dict]:
     """Every concurrency of one mode on one server."""
-    spec = ["--draft-model", draft, "--speculative-algorithm", "EAGLE3"] if mode == "eagle3" \
-        else ["--speculative-algorithm", "NONE"]
+    spec = (["--speculative-algorithm", "NONE"] if mode == "plain" else
+            ["--draft-model", draft, "--speculative-algorithm", "EAGLE3"])
+    if mode == "eagle3-no-prefix-cache":
+        spec.append("--no-prefix-caching")
     server_args = ["--model", target, *spec, "--served-model-name", SERVED_NAME,
                    "--seed", str(args.seed), *args.server_arg]
     print(f"[{mode}] starting: serve.py {' '.join(server_args)}", flush=True)
@@ -199,13 +214,17 @@ def bench_mode(args, mode: str, target: str, draft: str | None, out_dir: str) ->
     runs = []
     try:
         for c in args.concurrency:
-            accepted0, drafts0 = _scrape_acceptance(server.base_url)
+            before = _scrape_counters(server.base_url)
             run = run_aiperf(args, server.base_url, target, c,
                              os.path.join(out_dir, "aiperf", f"{mode}-c{c}"))
-            accepted1, drafts1 = _scrape_acceptance(server.base_url)
             # Warm-up requests count too: they decode the same kind of prompts.
-            run["accept_length"] = (1 + (accepted1 - accepted0) / (drafts1 - drafts0)
-                                    if drafts1 > drafts0 else None)
+            d = {k: v - before[k] for k, v in _scrape_counters(server.base_url).items()}
+            drafts = d["vllm:spec_decode_num_drafts"]
+            run["accept_length"] = (1 + d["vllm:spec_decode_num_accepted_tokens"] / drafts
+                                    if drafts else None)
+            queries = d["vllm:prefix_cache_queries"]
+            run["prefix_cache_hit_rate"] = (d["vllm:prefix_cache_hits"] / queries
+                                            if queries else None)
             run["mode"] = mode
             # The 1-minute load average as the run ends: on a CPU, other work on the cores
             # (beyond this server and aiperf) slows the run.
@@ -222,12 +241,18 @@ def _row(r: dict) -> str:
     al = "-" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
     return (f"{r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} "
             f"output tok/s, TTFT p50 {r['ttft_ms']['p50']:.0f} ms, ITL p50 "
-            f"{r['itl_ms']['p50']:.1f} ms, accept length {al}")
+            f"{r['itl_ms']['p50']:.1f} ms, accept length {al}, prefix-cache hits "
+            f"{_percent(r.get('prefix_cache_hit_rate'))}")
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def markdown_table(runs: list[dict]) -> str:
     head = ("| mode | concurrency | req/s | output tok/s | TTFT ms p50 / p90 / p99 | "
-            "ITL ms p50 / p90 / p99 | accept length |\n|---|---|---|---|---|---|---|")
+            "ITL ms p50 / p90 / p99 | accept length | prefix-cache hits |\n"
+            "|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in runs:
         t, i = r["ttft_ms"], r["itl_ms"]
@@ -236,7 +261,8 @@ def markdown_table(runs: list[dict]) -> str:
             f"| {MODES[r['mode']]} | {r['concurrency']} | {r['request_throughput']:.2f} | "
             f"{r['output_token_throughput']:.1f} | "
             f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | "
-            f"{i['p50']:.1f} / {i['p90']:.1f} / {i['p99']:.1f} | {al} |")
+            f"{i['p50']:.1f} / {i['p90']:.1f} / {i['p99']:.1f} | {al} | "
+            f"{_percent(r.get('prefix_cache_hit_rate'))} |")
     return "\n".join(lines)
 
 
@@ -302,7 +328,7 @@ def _earlier_runs(path: str, result: dict, modes: list[str]) -> list[dict]:
                          "--append first")
     with open(path) as f:
         earlier = json.load(f)
-    same = ("model", "draft_model", "isl", "osl", "concurrency", "seed")
+    same = ("model", "draft_model", "isl", "osl", "prefix_len", "concurrency", "seed")
     differ = [k for k in same if earlier.get(k) != result[k]]
     if differ:
         raise SystemExit(f"error: --append: {path} measured another setting ({', '.join(differ)}"
@@ -329,14 +355,18 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("the load")
     w.add_argument("--concurrency", type=_ints, default=[1, 2, 4],
                    help="comma-separated concurrent requests, one aiperf run each")
-    w.add_argument("--isl", type=int, default=128, help="prompt tokens")
+    w.add_argument("--isl", type=int, default=128, help="prompt tokens (after the prefix)")
+    w.add_argument("--prefix-len", type=int, default=0,
+                   help="tokens of one prefix that every prompt begins with (a shared "
+                        "system prompt; aiperf's prefix prompt pool of one)")
     w.add_argument("--osl", type=int, default=64, help="generated tokens per request")
     w.add_argument("--requests-per-stream", type=int, default=8,
                    help="measured requests per concurrent stream (after one warm-up each)")
     w.add_argument("--requests", type=int, default=None,
                    help="measured requests per run (overrides --requests-per-stream)")
     w.add_argument("--modes", default="eagle3,plain",
-                   help="comma-separated: eagle3 (speculation on), plain (off)")
+                   help="comma-separated: eagle3 (speculation on), plain (off), "
+                        "eagle3-no-prefix-cache (speculation on, prefix caching off)")
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("the tools")
     s.add_argument("--server-arg", action="append", default=[],
@@ -382,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         label = args.label or f"random {args.shape}-shaped pair"
     elif args.model:
         target, draft = args.model, args.draft_model
-        if "eagle3" in modes and not draft:
+        if any(m != "plain" for m in modes) and not draft:
             print("error: speculation needs --draft-model DIR (or --modes plain)",
                   file=sys.stderr)
             return 2
@@ -399,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         date=datetime.datetime.now().isoformat(timespec="seconds"), device=_device(),
         model_label=label, model=target, draft_model=draft,
         client="aiperf", client_version=_aiperf_version(args.aiperf),
-        isl=args.isl, osl=args.osl, concurrency=args.concurrency, seed=args.seed,
+        isl=args.isl, osl=args.osl, prefix_len=args.prefix_len,
+        concurrency=args.concurrency, seed=args.seed,
         server_args=args.server_arg, cpu_count=os.cpu_count(),
         command=" ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), runs=[])
     results_path = os.path.join(out_dir, "results.json")
@@ -411,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=2)
     plot_path = args.plot or os.path.join(out_dir, "serving.png")
     plot(result, plot_path)
-    print(f"\n{label}, {result['device']}, prompts {args.isl} tokens, {args.osl} generated:")
+    print(f"\n{label}, {result['device']}, prompts {args.prefix_len} shared + {args.isl} "
+          f"tokens, {args.osl} generated:")
     print(markdown_table(result["runs"]))
     print(f"\nresults: {results_path}; plot: {plot_path}")
     return 0

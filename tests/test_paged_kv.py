@@ -434,6 +434,9 @@ def test_prefill_chunks_ride_along_with_decoding(models, algo):
     short = [int(t) for t in rng.integers(7, 300, 6)]
     long = [int(t) for t in rng.integers(7, 300, 50)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # The long request samples (seeded): its stream must not depend on how it was
+    # prefilled.
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
     width = BASE["num_steps"] + 1 if algo == "EAGLE3" else 1
     # The bucket's 4 decode rows of `width` plus 16 chunk positions.
     engine = _engine(models, algo, max_num_batched_tokens=4 * width + 16)
@@ -442,7 +445,7 @@ def test_prefill_chunks_ride_along_with_decoding(models, algo):
     tokens = {"short": [], "long": []}
     for o in engine.step():
         tokens[o.request_id].extend(o.new_token_ids)
-    engine.add_request("long", long, greedy)
+    engine.add_request("long", long, sampled)
     steps_in_prefill = []
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -450,8 +453,8 @@ def test_prefill_chunks_ride_along_with_decoding(models, algo):
             tokens[o.request_id].extend(o.new_token_ids)
         if not tokens["long"]:
             steps_in_prefill.append({o.request_id for o in outs if o.new_token_ids})
-    alone = {rid: _run(_engine(models, algo), [(rid, prompt, greedy)])[0][rid]
-             for rid, prompt in (("short", short), ("long", long))}
+    alone = {rid: _run(_engine(models, algo), [(rid, prompt, params)])[0][rid]
+             for rid, prompt, params in (("short", short, greedy), ("long", long, sampled))}
     assert tokens == alone and len(tokens["long"]) == 12
     # 50 positions in chunks of 16: four steps carry them; the short request (12 tokens)
     # may finish first, but not before the second chunk.

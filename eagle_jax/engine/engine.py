@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -499,6 +499,13 @@ class Engine:
         newest, ``last_token``, is not in the pool yet)."""
         return req.prompt + req.output
 
+    @staticmethod
+    def _prefill_len(req: _Request) -> int:
+        """Positions a request's prefill computes: a new request's prompt; one resumed
+        after a preemption, its prompt and every generated token but the last (which
+        becomes last_token)."""
+        return len(req.prompt) + max(len(req.output) - 1, 0)
+
     def _page_keys(self, req: _Request, tokens: list[int]) -> list[bytes]:
         """The prefix-cache keys of the request's full pages, extended as it grows."""
         if len(req.page_keys) < len(tokens) // self.page_size:
@@ -545,9 +552,7 @@ class Engine:
         req = self._waiting[0]
         slot = self._slots.index(None)
         tokens = self._known_tokens(req)
-        # A new request prefills its prompt; one resumed after a preemption, its prompt
-        # and every generated token but the last (which becomes last_token).
-        known = len(req.prompt) + max(len(req.output) - 1, 0)
+        known = self._prefill_len(req)
         # The last known position is always computed: its logits (a new request's first
         # token) and its draft row (the draft's state) come from it.
         hit = self.page_allocator.match(self._page_keys(req, tokens), tokens, known - 1,
@@ -580,7 +585,7 @@ class Engine:
         ``size`` (default: the smallest prefill bucket that holds it). Advances the
         request's prefilled length; its last chunk ends its prefill."""
         tokens = self._known_tokens(req)
-        known = len(req.prompt) + max(len(req.output) - 1, 0)
+        known = self._prefill_len(req)
         start = req.seq_len
         length = min(self.chunk_len, known - start, max_len)
         size = size or next(b for b in self.prefill_buckets if b >= length)

@@ -205,7 +205,9 @@ def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
         target_pages=pages,
         seq_len=_write_rows(state.seq_len, batch, seq_len + n),
         last_token=_write_rows(state.last_token, batch, jnp.where(active, token, last)),
-        key=_write_rows(state.key, batch, keys),
+        # An inactive row's key is not consumed: a slot in prefill (its chunk carried by
+        # this step, or prefilled alone) samples the same stream either way.
+        key=_write_rows(state.key, batch, jnp.where(active[:, None], keys, state.key[:batch])),
     )
     lp = (token_logprobs(logits[:, None], token[:, None], vocab_size) if with_logprobs
           else (None,) * 3)
@@ -314,7 +316,9 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
                                  jnp.where(keep, ext.hidden, state.draft_hidden[:batch])),
         draft_logits=_write_rows(state.draft_logits, batch,
                                  jnp.where(keep, ext.logits, state.draft_logits[:batch])),
-        key=_write_rows(state.key, batch, keys),
+        # An inactive row's key is not consumed: a slot in prefill (its chunk carried by
+        # this step, or prefilled alone) samples the same stream either way.
+        key=_write_rows(state.key, batch, jnp.where(active[:, None], keys, state.key[:batch])),
     )
     lp = (token_logprobs(target_logits, res.tokens, vocab_size) if with_logprobs
           else (None,) * 3)
