@@ -209,8 +209,7 @@ class PageAllocator:
         table's width), first sharing ``shared`` (cached pages from ``match``, only for
         an owner with no pages yet). Raises OutOfPages, taking nothing, when the pool is
         short."""
-        if not shared and len(self._owned.get(owner, ())) >= min(
-                pages_for(num_tokens, self.page_size), self.max_pages_per_owner):
+        if not shared and not self._missing(owner, num_tokens):
             return  # already covered: the common case of a decode step
         if not self.can_reserve(owner, num_tokens, shared):
             raise OutOfPages(f"{self._missing(owner, num_tokens, len(shared))} pages needed, "
