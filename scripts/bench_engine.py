@@ -224,7 +224,8 @@ def main(argv=None):
         plain = Engine(EngineConfig(speculative_algorithm="NONE", kv_cache_memory=kv_tokens * kvb,
                                     **common), target=target)
         spec = Engine(EngineConfig(speculative_algorithm="EAGLE3", draft_model="random",
-                                   num_steps=S, synthetic_acceptance=a,
+                                   num_steps=S, speculative_policy="fixed",
+                                   synthetic_acceptance=a,
                                    kv_cache_memory=kv_tokens * (kvb + draft_kvb), **common),
                       target=target, draft=draft)
         return plain, spec

@@ -171,7 +171,8 @@ def main(argv=None):
     def engine(caching=True, budget=2048, slots=8, buckets=(1, 8)):
         return Engine(EngineConfig(
             model="random", draft_model="random", speculative_algorithm="EAGLE3",
-            num_steps=args.num_steps, synthetic_acceptance=args.acceptance, dtype="bfloat16",
+            num_steps=args.num_steps, speculative_policy="fixed",
+            synthetic_acceptance=args.acceptance, dtype="bfloat16",
             max_model_len=max_len, max_num_seqs=slots, batch_buckets=buckets,
             kv_cache_memory=(256 << 20) if args.small else (24 << 30),
             enable_prefix_caching=caching, max_num_batched_tokens=budget,

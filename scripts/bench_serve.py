@@ -22,6 +22,10 @@ compares the server with prefix caching on and off:
     python scripts/bench_serve.py --shape llama-8b --concurrency 1,8,32,64 --osl 256
                                                            # on a GPU (64 slots there)
 
+``--start-together`` starts every mode's server at once, so that they load and compile in
+parallel (on the H200 an 8B server compiles for minutes), and measures them one at a time
+once all are healthy, each taking an equal share of the GPU's memory.
+
 ``--shape llama-8b`` (or ``small``, to try the path on a CPU) serves a random checkpoint
 of that shape, written once into ``--checkpoint-dir`` before the first server starts:
 the Llama-3.1-8B-shaped bfloat16 target and EAGLE-3 draft of scripts/bench_engine.py
@@ -47,6 +51,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -197,8 +202,9 @@ def run_aiperf(args, base_url: str, tokenizer_dir: str, concurrency: int,
         request_latency_ms=_stat(m["request_latency"]))
 
 
-def bench_mode(args, mode: str, target: str, draft: str | None, out_dir: str) -> list[dict]:
-    """Every concurrency of one mode on one server."""
+def start_server(args, mode: str, target: str, draft: str | None, out_dir: str,
+                 wait: bool = True, env: dict | None = None) -> ServerProcess:
+    """scripts/serve.py for ``mode``; healthy on return unless ``wait`` is False."""
     spec = (["--speculative-algorithm", "NONE"] if mode == "plain" else
             ["--draft-model", draft, "--speculative-algorithm", "EAGLE3"])
     if mode == "eagle3-no-prefix-cache":
@@ -208,9 +214,29 @@ def bench_mode(args, mode: str, target: str, draft: str | None, out_dir: str) ->
     print(f"[{mode}] starting: serve.py {' '.join(server_args)}", flush=True)
     # JAX_PLATFORMS: the caller's, else every backend (ServerProcess defaults to the CPU).
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    server = ServerProcess(server_args, env={"JAX_PLATFORMS": platforms},
+    launched = time.monotonic()
+    server = ServerProcess(server_args, env={"JAX_PLATFORMS": platforms, **(env or {})},
                            log_path=os.path.join(out_dir, f"server-{mode}.log"),
-                           startup_timeout=args.startup_timeout)
+                           startup_timeout=args.startup_timeout, wait=wait)
+    server.launched = launched
+    return server
+
+
+def bench_mode(args, mode: str, target: str, draft: str | None, out_dir: str,
+               on_run=None, server: ServerProcess | None = None) -> list[dict]:
+    """Every concurrency of one mode on one server (``server``, started and not yet
+    healthy, or a new one); ``on_run(run)`` after each one. Stops the server."""
+    if server is None:
+        server = start_server(args, mode, target, draft, out_dir)
+    else:
+        try:
+            server.wait_healthy(args.startup_timeout)
+        except BaseException:
+            server.stop()
+            raise
+    startup_s = getattr(server, "startup_s", None) or time.monotonic() - server.launched
+    print(f"[{mode}] server healthy {startup_s:.0f} s after its launch (load + compile)",
+          flush=True)
     runs = []
     try:
         for c in args.concurrency:
@@ -226,11 +252,14 @@ def bench_mode(args, mode: str, target: str, draft: str | None, out_dir: str) ->
             run["prefix_cache_hit_rate"] = (d["vllm:prefix_cache_hits"] / queries
                                             if queries else None)
             run["mode"] = mode
+            run["server_startup_s"] = round(startup_s, 1)
             # The 1-minute load average as the run ends: on a CPU, other work on the cores
             # (beyond this server and aiperf) slows the run.
             run["load_average"] = os.getloadavg()[0]
             runs.append(run)
             print(f"[{mode}] concurrency {c}: {_row(run)}", flush=True)
+            if on_run is not None:
+                on_run(run)
     finally:
         server.stop()
     return runs
@@ -376,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the aiperf executable (default: beside this Python, else on PATH)")
     s.add_argument("--startup-timeout", type=float, default=1800.0,
                    help="seconds a server may take to load and compile")
+    s.add_argument("--start-together", action="store_true",
+                   help="start every mode's server at once, so that they load and compile "
+                        "in parallel; once all are healthy, measure them one at a time "
+                        "(the others idle); "
+                        "on a GPU each gets 0.9 / modes of its memory "
+                        "(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="bench_serve_out",
                    help="folder for results.json, the plot, aiperf's artifacts, server logs")
@@ -436,10 +471,36 @@ def main(argv: list[str] | None = None) -> int:
     results_path = os.path.join(out_dir, "results.json")
     if args.append:
         result["runs"] = _earlier_runs(results_path, result, modes)
-    for mode in modes:
-        result["runs"] += bench_mode(args, mode, target, draft, out_dir)
-    with open(results_path, "w") as f:
-        json.dump(result, f, indent=2)
+
+    def save(run: dict | None = None) -> None:
+        # After every run, so that a call stopped part-way (a time limit) keeps its rows.
+        if run is not None:
+            result["runs"].append(run)
+        with open(results_path, "w") as f:
+            json.dump(result, f, indent=2)
+
+    servers = {}
+    if args.start_together and len(modes) > 1:
+        # Every mode's server loads and compiles at once (start-up is the long part on a
+        # GPU); each then serves alone while the others wait idle. On a GPU each takes
+        # an equal share of the device memory (XLA's preallocation, then its KV pool).
+        fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                  f"{0.9 / len(modes):.2f}")
+        result["servers_started_together"] = dict(xla_python_client_mem_fraction=fraction)
+        for mode in modes:
+            servers[mode] = start_server(args, mode, target, draft, out_dir, wait=False,
+                                         env={"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction})
+    try:
+        for server in servers.values():  # none is measured while another still compiles
+            server.wait_healthy(args.startup_timeout)
+            server.startup_s = time.monotonic() - server.launched  # at most this
+        for mode in modes:
+            bench_mode(args, mode, target, draft, out_dir, on_run=save,
+                       server=servers.pop(mode, None))
+    finally:
+        for server in servers.values():
+            server.stop()
+    save()
     plot_path = args.plot or os.path.join(out_dir, "serving.png")
     plot(result, plot_path)
     print(f"\n{label}, {result['device']}, prompts {args.prefix_len} shared + {args.isl} "

@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-steps", type=_positive_int, default=5, help="draft steps per step")
     g.add_argument("--num-draft-tokens", type=_positive_int, default=None,
                    help="draft tokens per step (default: num_steps + 1)")
+    g.add_argument("--speculative-policy", default=None, choices=["adaptive", "fixed"],
+                   help="adaptive: each step drafts the length (of --speculative-draft-lengths)"
+                        " with the most expected committed tokens per second; fixed: every "
+                        "step drafts --num-steps (default: adaptive on a GPU, fixed on a CPU)")
+    g.add_argument("--speculative-draft-lengths", default=None, type=_int_tuple,
+                   help="comma-separated lengths the adaptive policy picks from, 0 (the "
+                        "target's step) to --num-steps (default: 0,1,2,3,num_steps)")
     g.add_argument("--draft-sample-method", default="probabilistic",
                    choices=["greedy", "probabilistic"],
                    help="probabilistic: sampled requests draw draft tokens from the draft's "
@@ -93,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _int_tuple(arg: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(x) for x in arg.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {arg!r}")
+
+
 def _buckets(arg: str) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in arg.split(",") if x.strip()}))
 
@@ -136,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         num_steps=args.num_steps,
         num_draft_tokens=args.num_draft_tokens,
         draft_sample_method=args.draft_sample_method,
+        speculative_policy=args.speculative_policy,
+        draft_lengths=args.speculative_draft_lengths,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         page_size=args.page_size,

@@ -8,7 +8,7 @@ target, p(t2, t3) = sum_t1 p(t1) p(t2 | t1) p(t3 | t1, t2), each factor after th
 request's temperature / top-k / top-p, by a chi-square test.
 
 False-alarm rate: each case rejects a correct sampler with probability ALPHA = 1e-3;
-the 4 cases together with probability < 0.4%. The seeds are fixed, so the outcome is
+the 5 cases together with probability < 0.5%. The seeds are fixed, so the outcome is
 deterministic: a correct engine passes every time.
 
 Efficiency: the rate at which the first draft token is accepted equals its exact value
@@ -79,14 +79,21 @@ def _chi_square_pvalue(counts, expected):
     return float(jax.scipy.special.gammaincc(dof / 2.0, stat / 2.0)), stat, dof
 
 
-def _run(pair, method, temperature, top_k, top_p, max_tokens, hook=None):
-    """NUM_REQUESTS requests of PROMPT with distinct seeds -> (engine, {id: tokens})."""
+def _run(pair, method, temperature, top_k, top_p, max_tokens, hook=None, switching=False):
+    """NUM_REQUESTS requests of PROMPT with distinct seeds -> (engine, {id: tokens}).
+    ``switching``: each step drafts a length drawn at random from 0 to 3."""
     target, draft = pair
+    lengths = dict(speculative_policy="adaptive", draft_lengths=(0, 1, 2, 3),
+                   precompile=False) if switching else {}
     engine = Engine(EngineConfig(
         model=target, draft_model=draft, speculative_algorithm="EAGLE3", num_steps=3,
         draft_sample_method=method, dtype="float32", max_model_len=32, max_num_seqs=64,
-        batch_buckets=(64,), prefill_buckets=(8,), compilation_cache_dir=""),
+        batch_buckets=(64,), prefill_buckets=(8,), compilation_cache_dir="", **lengths),
         draft_probs_hook=hook)
+    if switching:
+        from .test_draft_policy import ScriptedLengths
+
+        engine.draft_policy = ScriptedLengths((0, 1, 2, 3), seed=7)
     for i in range(NUM_REQUESTS):
         engine.add_request(str(i), PROMPT, SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
@@ -99,8 +106,8 @@ def _run(pair, method, temperature, top_k, top_p, max_tokens, hook=None):
     return engine, out
 
 
-def _sample(pair, method, temperature, top_k, top_p, hook=None):
-    engine, out = _run(pair, method, temperature, top_k, top_p, 3, hook)
+def _sample(pair, method, temperature, top_k, top_p, hook=None, switching=False):
+    engine, out = _run(pair, method, temperature, top_k, top_p, 3, hook, switching)
     counts = np.zeros((VOCAB, VOCAB))
     for toks in out.values():
         counts[toks[1], toks[2]] += 1
@@ -109,14 +116,18 @@ def _sample(pair, method, temperature, top_k, top_p, hook=None):
     return engine, counts, expected
 
 
-@pytest.mark.parametrize("method, temperature, top_k, top_p", [
-    ("greedy", 1.0, -1, 1.0),
-    ("greedy", 0.7, 6, 0.9),
-    ("probabilistic", 1.0, -1, 1.0),
-    ("probabilistic", 0.7, 6, 0.9),
+@pytest.mark.parametrize("method, temperature, top_k, top_p, switching", [
+    ("greedy", 1.0, -1, 1.0, False),
+    ("greedy", 0.7, 6, 0.9, False),
+    ("probabilistic", 1.0, -1, 1.0, False),
+    ("probabilistic", 0.7, 6, 0.9, False),
+    # The draft length drawn at random per step (0 to 3): t2 and t3 come from steps of
+    # different lengths, the target's step alone among them.
+    ("probabilistic", 0.7, 6, 0.9, True),
 ])
-def test_sampled_tokens_follow_the_target(pair, method, temperature, top_k, top_p):
-    engine, counts, expected = _sample(pair, method, temperature, top_k, top_p)
+def test_sampled_tokens_follow_the_target(pair, method, temperature, top_k, top_p, switching):
+    engine, counts, expected = _sample(pair, method, temperature, top_k, top_p,
+                                       switching=switching)
     pvalue, stat, dof = _chi_square_pvalue(counts.ravel(), expected.ravel())
     assert pvalue > ALPHA, (stat, dof, pvalue)
     # The step both accepted and rejected draft tokens, so both paths were exercised.

@@ -307,6 +307,11 @@ def test_backend_defaults_fill_only_what_is_unset():
     assert (gpu.dtype, gpu.max_num_seqs) == ("bfloat16", 8)
     assert EngineConfig(model="m", speculative_algorithm="NONE").for_backend("gpu")[0] \
         .max_num_seqs == 64
+    # The draft length: chosen per step on a GPU, num_steps in every step on a CPU.
+    spec = EngineConfig(model="m", draft_model="d")
+    assert spec.for_backend("gpu")[0].speculative_policy == "adaptive"
+    assert spec.for_backend("cpu")[0].speculative_policy == "fixed"
+    assert spec.draft_lengths == (0, 1, 2, 3, 5)
     # Sampled rows draft from q by default (greedy rows propose the argmax either way).
     assert EngineConfig(model="m", speculative_algorithm="NONE").draft_sample_method \
         == "probabilistic"

@@ -691,6 +691,10 @@ def test_metrics_match_served(http):
     # Every committed token is an accepted draft token or one bonus token per draft
     # (prefill adds one token per request; stops can cut a step short).
     assert total_completion <= accepted + drafts + n_requests
+    # The draft-length histogram: one observation per step; the CPU's fixed policy drafts
+    # NUM_STEPS in every step.
+    steps = d("eagle_jax:spec_decode_draft_length_count")
+    assert steps > 0 and d("eagle_jax:spec_decode_draft_length_sum") == NUM_STEPS * steps
     # Cumulative metrics parse, carry the model name, and all vLLM names are present.
     text = http.get("/metrics").text
     names = {f.name for f in text_string_to_metric_families(text)}
@@ -746,6 +750,33 @@ def test_scheduler_metrics_follow_the_engine():
     assert values[("vllm:num_preemptions_total", label)] == 7
     assert values[("vllm:num_requests_running", label)] == 1
     assert values[("vllm:num_requests_waiting", label)] == 0
+
+
+def test_draft_length_metrics_follow_the_engine():
+    """The draft-length histogram observes each step's length once; the forecast counters
+    add the policy's expected tokens and seconds since the last update."""
+    from eagle_jax.engine.types import SpecDecodeStats
+    from eagle_jax.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.update_spec_decode(SpecDecodeStats(draft_length_steps=[2, 0, 1, 0],
+                                               forecast_tokens=10.0, forecast_seconds=0.5))
+    metrics.update_spec_decode(SpecDecodeStats(draft_length_steps=[5, 1, 1, 3],
+                                               forecast_tokens=25.0, forecast_seconds=1.25))
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(metrics.render().decode())
+              for s in f.samples}
+    m = (("model_name", "m"),)
+
+    def le(x):
+        return tuple(sorted(m + (("le", x),)))
+
+    name = "eagle_jax:spec_decode_draft_length_bucket"
+    assert [values[(name, le(x))] for x in ("0.0", "1.0", "2.0", "3.0", "+Inf")] == [
+        5, 6, 7, 10, 10]
+    assert values[("eagle_jax:spec_decode_draft_length_sum", m)] == 1 + 2 + 9
+    assert values[("eagle_jax:spec_decode_forecast_tokens_total", m)] == 25.0
+    assert values[("eagle_jax:spec_decode_forecast_seconds_total", m)] == 1.25
 
 
 def test_periodic_log_line(server):

@@ -349,7 +349,10 @@ def compare(args) -> dict:
     kw = dict(model=target, draft_model=draft if algo != "NONE" else None,
               speculative_algorithm=algo, num_steps=args.num_steps,
               draft_sample_method=args.draft_sample_method, max_model_len=args.max_model_len,
-              max_num_seqs=args.batch_size, dtype=args.dtype, seed=args.seed)
+              max_num_seqs=args.batch_size, dtype=args.dtype, seed=args.seed,
+              # Every mode drafts num_steps in every step: the adaptive policy's choices
+              # follow each mode's own step times, so the modes' steps would differ.
+              speculative_policy="fixed")
     if args.batch_buckets:
         kw["batch_buckets"] = args.batch_buckets
     if args.prefill_buckets:

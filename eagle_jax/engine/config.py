@@ -7,6 +7,7 @@ import os
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "NONE")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+SPECULATIVE_POLICIES = ("adaptive", "fixed")
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -21,6 +22,15 @@ class EngineConfig:
       speculative_algorithm: "EAGLE", "EAGLE3" or "NONE" (plain decoding).
       num_steps: S, draft tokens proposed per step (chain drafting).
       num_draft_tokens: S + 1 for chains (the verified window); None derives it.
+      speculative_policy: "adaptive" chooses each step's draft length among
+        ``draft_lengths`` for the most expected committed tokens per second (each
+        variant timed at start-up, acceptance estimated while serving:
+        ``draft_policy.py``); "fixed" drafts num_steps in every step. None = the
+        backend's default: adaptive on a GPU; fixed on a CPU, where every length is
+        another step executable to compile at start-up (seconds each).
+      draft_lengths: the lengths "adaptive" chooses from, 0 (the target's step) to
+        num_steps; None = 0, 1, 2, 3 and num_steps. A step that carries a prompt chunk
+        drafts num_steps (its chunk rows are num_steps + 1 wide).
       draft_sample_method: "probabilistic" (the default) draws a sampled row's draft
         tokens from the draft's q and tests them against the real q; greedy rows still
         propose the argmax (001), so greedy output is the same under both. "greedy"
@@ -59,6 +69,8 @@ class EngineConfig:
     speculative_algorithm: str = "EAGLE3"
     num_steps: int = 5
     num_draft_tokens: int | None = None
+    speculative_policy: str | None = None
+    draft_lengths: tuple[int, ...] | None = None
     draft_sample_method: str = "probabilistic"
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -93,6 +105,22 @@ class EngineConfig:
             raise ValueError(
                 f"chain drafting verifies num_steps + 1 tokens: num_draft_tokens must be "
                 f"{self.num_steps + 1} for num_steps {self.num_steps}, got {self.num_draft_tokens}")
+        if self.speculative_policy is not None and (
+                self.speculative_policy not in SPECULATIVE_POLICIES):
+            raise ValueError(f"speculative_policy must be one of {SPECULATIVE_POLICIES}, "
+                             f"got {self.speculative_policy!r}")
+        if self.draft_lengths is None:
+            lengths = {0, 1, 2, 3, self.num_steps}
+        else:
+            lengths = set(self.draft_lengths)
+            if not lengths or any(not 0 <= s <= self.num_steps for s in lengths):
+                raise ValueError(f"draft_lengths must lie in [0, num_steps = {self.num_steps}]"
+                                 f", got {self.draft_lengths}")
+            if self.num_steps not in lengths:
+                raise ValueError(f"draft_lengths {self.draft_lengths} must include num_steps "
+                                 f"({self.num_steps}), the longest length (or lower num_steps)")
+        object.__setattr__(self, "draft_lengths",
+                           tuple(sorted(s for s in lengths if s <= self.num_steps)))
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
                              f"got {self.draft_sample_method!r}")
@@ -133,7 +161,8 @@ class EngineConfig:
         """
         defaults = CPU_DEFAULTS if backend == "cpu" else GPU_DEFAULTS
         chosen = {name: value for name, value in defaults.items()
-                  if getattr(self, name) is None}
+                  if getattr(self, name) is None
+                  and (self.speculative or name != "speculative_policy")}
         notes = [f"{name}={value} (the {backend} default; set it to change)"
                  for name, value in chosen.items()]
         return dataclasses.replace(self, **chosen), notes
@@ -142,6 +171,8 @@ class EngineConfig:
 # Fields left None, by backend. (max_model_len left None is the target's limit, capped by
 # the KV pool; a CPU, which has no memory budget to size the pool from, caps it at
 # CPU_MAX_MODEL_LEN.)
-CPU_DEFAULTS = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=512)
-GPU_DEFAULTS = dict(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048)
+CPU_DEFAULTS = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=512,
+                    speculative_policy="fixed")
+GPU_DEFAULTS = dict(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048,
+                    speculative_policy="adaptive")
 CPU_MAX_MODEL_LEN = 4096

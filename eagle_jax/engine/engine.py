@@ -15,13 +15,16 @@ step (a request whose last chunk ran alone joins that step). Before each step ev
 step may write; when the pool runs out, the newest running request is preempted: its
 pages are freed and it goes back to the front of the queue, to be recomputed from its
 prompt and the tokens it already produced (nothing it streamed is repeated). A step runs
-the executable compiled for the smallest batch bucket that covers every occupied slot;
-the host then reads the committed tokens and counts once.
+the executable compiled for the smallest batch bucket that covers every occupied slot
+and the draft length the draft policy chose for it (``draft_policy.py``: fixed, or the
+length with the most expected committed tokens per second); the host then reads the
+committed tokens and counts once.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -37,6 +40,7 @@ from tqdm.auto import tqdm
 from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.engine import step as step_lib
 from eagle_jax.engine.config import CPU_MAX_MODEL_LEN, EngineConfig
+from eagle_jax.engine.draft_policy import AdaptiveDraftLength, FixedDraftLength
 from eagle_jax.engine.page_allocator import (
     OutOfPages, PageAllocator, page_hashes, pages_for, plan_pool)
 from eagle_jax.engine.types import (
@@ -108,6 +112,7 @@ def jit_compile(name: str, fn: Callable, example_args: tuple,
 
 
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.75
+MAX_COMPILE_THREADS = 16
 
 
 def _split(module):
@@ -177,7 +182,14 @@ class Engine:
         self.prefill_buckets = tuple(
             b for b in config.prefill_buckets if b <= self.max_model_len) or (self.max_model_len,)
         self.chunk_len = self.prefill_buckets[-1]  # longer prompts are prefilled in chunks
-        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.num_steps)
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.num_steps,
+                                     drafted_per_pos=[0] * self.num_steps,
+                                     draft_length_steps=[0] * (self.num_steps + 1))
+        # The draft lengths a step may run, and the policy choosing among them (its step
+        # times are measured once the executables exist: ``_time_draft_lengths``).
+        adaptive = config.speculative and config.speculative_policy == "adaptive"
+        self.draft_lengths = config.draft_lengths if adaptive else (self.num_steps,)
+        self.draft_policy = FixedDraftLength(self.num_steps)
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which served from it
@@ -193,6 +205,8 @@ class Engine:
         self._num_admitted = 0
         # (StepOutput on device, slot -> (request, its preemption count) at dispatch)
         self._in_flight = None
+        self._last_collect = None  # perf_counter() when the last step was collected
+        self._num_prefill_runs = 0  # prompt chunks prefilled by executables of their own
         self._split_models()
         self.state = self._init_state()
         self._compiled: dict = {}
@@ -204,6 +218,8 @@ class Engine:
             self.num_pages * self.page_size, self.batch_buckets, self.prefill_buckets)
         if config.precompile:
             self.precompile()
+        if len(self.draft_lengths) > 1:
+            self._time_draft_lengths()
 
     # ------------------------------------------------------------------ set-up
     def _load_tokenizer(self):
@@ -294,7 +310,18 @@ class Engine:
             seq_len=jnp.zeros((n,), jnp.int32), last_token=jnp.zeros((n,), jnp.int32),
             draft_hidden=draft_hidden, draft_logits=draft_logits,
             sampling=SamplingRows(*map(jnp.asarray, SamplingRows.padded(n))),
-            key=jnp.zeros((n, 2), jnp.uint32), active=jnp.zeros((n,), bool))
+            key=jnp.zeros((n, 2), jnp.uint32), active=jnp.zeros((n,), bool),
+            synthetic_acceptance=(None if self.config.synthetic_acceptance is None
+                                  else jnp.float32(self.config.synthetic_acceptance)))
+
+    def set_synthetic_acceptance(self, rate: float) -> None:
+        """Benchmarks: the acceptance of an engine built with ``synthetic_acceptance``,
+        changed between requests without compiling again."""
+        if self.state.synthetic_acceptance is None:
+            raise ValueError("this engine was built without synthetic_acceptance")
+        if not 0 <= rate <= 1:
+            raise ValueError(f"synthetic acceptance must be in [0, 1], got {rate}")
+        self.state = self.state._replace(synthetic_acceptance=jnp.float32(rate))
 
     def _feature_width(self) -> int:
         layers = self.draft.feature_layers
@@ -308,15 +335,18 @@ class Engine:
             self._compiled[key] = self._compile_fn(key[0], fn, example_args, donate_argnums)
         return self._compiled[key]
 
-    def _step_fn(self, batch: int, with_logprobs: bool, chunk_rows: int = 0):
-        """The step executable of a batch bucket (carrying a prompt chunk of
-        ``chunk_rows`` rows, or none), compiled on first use."""
+    def _step_fn(self, batch: int, with_logprobs: bool, chunk_rows: int = 0,
+                 draft_length: int | None = None):
+        """The step executable of a batch bucket drafting ``draft_length`` tokens (default
+        num_steps), carrying a prompt chunk of ``chunk_rows`` rows or none, compiled on
+        first use."""
+        length = self.num_steps if draft_length is None else draft_length
         args = self.step_inputs()
         if chunk_rows:
             args += (self._chunk_spec(chunk_rows * self.step_tokens),)
-        return self._executable(("step", batch, with_logprobs, chunk_rows),
-                                self.step_function(batch, with_logprobs, chunk_rows), args,
-                                (2,))
+        return self._executable(("step", batch, with_logprobs, chunk_rows, length),
+                                self.step_function(batch, with_logprobs, chunk_rows, length),
+                                args, (2,))
 
     def step_inputs(self) -> tuple:
         """Arguments of ``step_function``'s function: (target parameters, draft
@@ -324,12 +354,15 @@ class Engine:
         return self._target_params, self._draft_params, self.state, self._page_updates([])
 
     def step_function(self, batch: int, with_logprobs: bool = False,
-                      chunk_rows: int = 0) -> Callable:
+                      chunk_rows: int = 0, draft_length: int | None = None) -> Callable:
         """The pure step of a batch bucket:
-        ``(target_params, draft_params, state, page_updates) -> (state, StepOutput)``;
-        with ``chunk_rows``, a fifth argument, a ``PrefillChunk`` of ``chunk_rows`` x
-        step_tokens positions, rides in the step's forward. The engine compiles it with
-        ``state`` donated."""
+        ``(target_params, draft_params, state, page_updates) -> (state, StepOutput)``,
+        drafting ``draft_length`` tokens (default num_steps); with ``chunk_rows``, a fifth
+        argument, a ``PrefillChunk`` of ``chunk_rows`` x step_tokens positions, rides in
+        the step's forward. The engine compiles it with ``state`` donated."""
+        length = self.num_steps if draft_length is None else draft_length
+        if chunk_rows and length != self.num_steps:
+            raise ValueError("a step that carries a prompt chunk drafts num_steps tokens")
         tg, dg, cfg = self._target_graph, self._draft_graph, self.config
 
         def run(target_params, draft_params, state, page_updates, chunk=None):
@@ -340,11 +373,10 @@ class Engine:
                                            with_logprobs=with_logprobs, chunk=chunk)
             return step_lib.spec_step(
                 target, _merge(dg, draft_params), state, page_updates, batch=batch,
-                num_steps=cfg.num_steps,
+                num_steps=length,
                 probabilistic=cfg.draft_sample_method == "probabilistic",
                 vocab_size=self.vocab_size, with_logprobs=with_logprobs,
-                draft_probs_hook=self._draft_probs_hook,
-                synthetic_acceptance=cfg.synthetic_acceptance, chunk=chunk)
+                draft_probs_hook=self._draft_probs_hook, chunk=chunk)
 
         return run
 
@@ -387,17 +419,66 @@ class Engine:
                                 (self.state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
 
     def precompile(self, with_logprobs: bool = False) -> None:
-        """Compiles every prefill and step bucket ahead of serving."""
-        jobs = [("prefill", c) for c in self.prefill_buckets] + [
-            ("step", b) for b in self.batch_buckets] + [
-            ("step with a prompt chunk", b) for b in self.batch_buckets]
-        for kind, size in tqdm(jobs, desc="compiling buckets", leave=False):
-            if kind == "prefill":
-                self._prefill_fn(size)
-            elif kind == "step":
-                self._step_fn(size, with_logprobs)
-            else:
-                self._step_fn(size, with_logprobs, self._chunk_rows(size))
+        """Compiles every prefill and step bucket ahead of serving, several at once:
+        XLA's compiler runs outside the GIL, so threads overlap the compiles (of an
+        8B-shaped step, ~15 s each on one core) while tracing takes turns."""
+        jobs = [lambda c=c: self._prefill_fn(c) for c in self.prefill_buckets] + [
+            lambda b=b, s=s: self._step_fn(b, with_logprobs, draft_length=s)
+            for b in self.batch_buckets for s in self.draft_lengths] + [
+            lambda b=b: self._step_fn(b, with_logprobs, self._chunk_rows(b))
+            for b in self.batch_buckets]
+        workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_COMPILE_THREADS))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            done = concurrent.futures.as_completed([pool.submit(job) for job in jobs])
+            for future in tqdm(done, total=len(jobs), desc="compiling buckets", leave=False):
+                future.result()
+
+    def _time_draft_lengths(self, repeats: int = 8, context: int = 256) -> None:
+        """Times the step of every batch bucket and draft length and hands the table to
+        the adaptive policy.
+
+        Runs before any request holds a slot, on rows made live for the purpose: every
+        row of the bucket active at ``context`` tokens (at most half of max_model_len),
+        all reading the first pages of the pool, so that the kernels do a live row's
+        work (an inactive row skips it). The pool holds nothing yet, and the rows' state
+        is put back afterwards. Steps are dispatched back to back, as while serving, and
+        the device time per step is taken (the context grows by at most a step's tokens
+        per call); the policy then follows the measured cycles while serving (their
+        context and the host's work between steps)."""
+        if any(r is not None for r in self._slots) or self._in_flight is not None:
+            raise RuntimeError("draft lengths are timed while no request holds a slot")
+        context = max(1, min(context, self.max_model_len // 2))
+        num_pages = min(pages_for(context + (repeats + 2) * self.step_tokens, self.page_size),
+                        self.max_pages, self.num_pages)
+        row = np.zeros((self.max_pages,), np.int32)
+        row[:num_pages] = np.arange(num_pages)
+        idle = jax.tree.map(jnp.copy, self.state._replace(
+            target_pages=None, draft_pages=None))  # the step donates what it is given
+        seconds = {}
+        jobs = [(b, s) for b in self.batch_buckets for s in self.draft_lengths]
+        for bucket, length in tqdm(jobs, desc="timing draft lengths", leave=False):
+            live = np.arange(self.num_slots) < bucket
+            fn = self._step_fn(bucket, False, draft_length=length)
+            args = self.step_inputs()[:2]
+            updates = jnp.asarray(self._page_updates([]))
+            for calls in (1, repeats):  # the first call warms the executable up
+                self.state = self.state._replace(
+                    active=jnp.asarray(live), seq_len=jnp.where(live, context, 0),
+                    page_table=jnp.asarray(np.where(live[:, None], row[None], 0)))
+                jax.block_until_ready(self.state.page_table)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    self.state, out = fn(*args, self.state, updates)
+                jax.block_until_ready(out)
+            seconds[bucket, length] = (time.perf_counter() - t0) / repeats
+        pages = self.state.target_pages, self.state.draft_pages
+        self.state = idle._replace(target_pages=pages[0], draft_pages=pages[1])
+        self.draft_policy = AdaptiveDraftLength(self.draft_lengths, seconds)
+        logger.info("engine: adaptive draft length over %s; step ms by bucket: %s",
+                    self.draft_lengths, "; ".join(
+                        f"{b}: " + ", ".join(f"{seconds[b, s] * 1e3:.2f}"
+                                             for s in self.draft_lengths)
+                        for b in self.batch_buckets))
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -463,6 +544,7 @@ class Engine:
         """
         outputs: list[RequestOutput] = []
         self._process_aborts(outputs)
+        prefills = self._num_prefill_runs
         carried = self._schedule_prefills(outputs)
         occupied = {i: r for i, r in enumerate(self._slots)
                     if r is not None and not r.in_prefill}
@@ -470,11 +552,24 @@ class Engine:
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         collected = self._collect(*launched, outputs) if launched is not None else (None, {})
+        self._time_step(launched, self._num_prefill_runs > prefills)
         if self._step_listeners:
             event = StepEvent(self.stats.num_steps, *collected, outputs)
             for listener in self._step_listeners:
                 listener(event)
         return outputs
+
+    def _time_step(self, launched, ran_prefill: bool) -> None:
+        """Gives the draft policy the time since the last collected step: the cycle of
+        the step just collected (its device time when the device is the bottleneck, the
+        host's work between steps when not). Cycles that also ran a prompt chunk, or
+        follow one that collected nothing, are not a step's time."""
+        now = time.perf_counter()
+        if launched is not None and self._last_collect is not None and not ran_prefill:
+            batch, length, carried_chunk = launched[3]
+            if not carried_chunk:
+                self.draft_policy.observe_time(batch, length, now - self._last_collect)
+        self._last_collect = now if launched is not None else None
 
     def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
         """Calls ``listener(StepEvent)`` at the end of every ``step()``: what the step
@@ -614,6 +709,7 @@ class Engine:
             budget -= int(chunk.length)
             self.state, out = self._prefill_fn(chunk.tokens.shape[0])(
                 self._target_params, self._draft_params, self.state, chunk)
+            self._num_prefill_runs += 1
         if chunk is not None and chunk.sample_next:
             self._commit_first_token(req, jax.device_get(out), outputs)
         return budget
@@ -701,16 +797,32 @@ class Engine:
             args += (chunk,)
             if chunk.sample_next:
                 first_token_of = (carried, carried.preemptions)
-        self.state, out = self._step_fn(batch, with_logprobs, chunk_rows)(*args)
+            length = self.num_steps  # the chunk's rows are num_steps + 1 wide
+        else:
+            length = self.draft_policy.choose(batch)
+        self._count_choice(batch, length, len(occupied))
+        self.state, out = self._step_fn(batch, with_logprobs, chunk_rows, length)(*args)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         for req in occupied.values():
             req.in_flight += 1
         return (out, {slot: (req, req.preemptions) for slot, req in occupied.items()},
-                first_token_of)
+                first_token_of, (batch, length, bool(chunk_rows)))
+
+    def _count_choice(self, batch: int, length: int, rows: int) -> None:
+        """Counts a dispatched step's draft length and the adaptive policy's forecast:
+        the tokens its rows should commit and the time its executable takes."""
+        s = self.stats
+        if not self.num_steps:
+            return
+        s.draft_length_steps[length] += 1
+        expected = self.draft_policy.predicted_tokens(length)
+        if expected is not None:
+            s.forecast_tokens += expected * rows
+            s.forecast_seconds += self.draft_policy.step_seconds[batch, length]
 
     def _collect(self, out, occupied: dict[int, tuple[_Request, int]],
-                 first_token_of: tuple[_Request, int] | None, outputs):
+                 first_token_of: tuple[_Request, int] | None, variant: tuple, outputs):
         """Reads a step's tokens (the one host read of the step) and commits them, and
         the first token of the request whose last prompt chunk the step carried.
 
@@ -728,7 +840,7 @@ class Engine:
             req.in_flight -= 1
             if not req.finished:
                 live[slot] = req
-        self._count_step(out, live)
+        self._count_step(out, live, variant[1])
         tokens, num_tokens = out.tokens.tolist(), out.num_tokens.tolist()
         for slot, req in live.items():
             n = num_tokens[slot]
@@ -746,8 +858,9 @@ class Engine:
                 self._register_pages(req)
         return out, {slot: req.request_id for slot, req in live.items()}
 
-    def _count_step(self, out, live: dict[int, _Request]):
-        """Adds the live rows of a step to the counters (vectorised over the rows: this
+    def _count_step(self, out, live: dict[int, _Request], length: int):
+        """Adds the live rows of a step that drafted ``length`` tokens to the counters
+        and to the draft policy's acceptance estimate (vectorised over the rows: this
         runs on the host between steps, at every batch size)."""
         s = self.stats
         s.num_steps += 1
@@ -760,15 +873,18 @@ class Engine:
         s.num_emitted_tokens += int(n.sum())
         s.num_invalid_tokens += int(np.sum(committed & ((tokens < 0) |
                                                         (tokens >= self.vocab_size))))
-        if self.num_steps:
+        if length:
             accept = out.accept_len[rows]
+            self.draft_policy.observe(length, accept)
             s.num_drafts += len(rows)
-            s.num_draft_tokens += self.num_steps * len(rows)
+            s.num_draft_tokens += length * len(rows)
             s.num_accepted_tokens += int(accept.sum())
-            # Position i accepted in every row whose accept length exceeds i.
-            for i, count in enumerate(np.sum(accept[:, None] > np.arange(self.num_steps),
+            # Position i drafted in every row of the step, accepted in every row whose
+            # accept length exceeds i.
+            for i, count in enumerate(np.sum(accept[:, None] > np.arange(length),
                                              axis=0).tolist()):
                 s.accepted_per_pos[i] += count
+                s.drafted_per_pos[i] += len(rows)
             s.num_malformed_draft_probs += int(out.num_malformed[rows].sum())
             s.num_sampler_fallbacks += int(out.num_fallback[rows].sum())
 

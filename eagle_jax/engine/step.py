@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
-from eagle_jax.kernels.spec_sampler import speculative_sample
+from eagle_jax.kernels.spec_sampler import SamplerOutput, speculative_sample
 from eagle_jax.models.draft_ops import draft_decode_step, draft_extend
 from eagle_jax.models.layers import KVCache, KVPages
 from eagle_jax.sampling import MAX_LOGPROBS, SamplingRows
@@ -57,6 +57,9 @@ class DecodeState(NamedTuple):
     sampling: SamplingRows  # [B_max] each; free slots hold the padded rows
     key: Array  # [B_max, 2] u32, per-request PRNG key (threefry raw)
     active: Array  # bool
+    # Benchmarks only: [] f32, accept each draft token with this probability instead of
+    # by the sampler's verdict (a value, so one compiled step serves every rate).
+    synthetic_acceptance: Array | None = None
 
 
 class PrefillOutput(NamedTuple):
@@ -222,9 +225,13 @@ def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
 def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: int,
               num_steps: int, probabilistic: bool, vocab_size: int, with_logprobs: bool,
               draft_probs_hook: Callable[[Array], Array] | None = None,
-              synthetic_acceptance: float | None = None, chunk: PrefillChunk | None = None,
+              chunk: PrefillChunk | None = None,
               ) -> tuple[DecodeState, StepOutput]:
     """Propose S draft tokens, verify S + 1 positions, accept, extend the draft, commit.
+
+    S = 0 is the target's step with the draft kept current: the target's forward over
+    last_token, its token sampled, and the draft's one-row extend over it, so a later
+    step may draft again (the adaptive policy switches lengths between steps).
 
     With ``chunk``, a prompt chunk of another request rides in the verify forward (its
     tokens as extra rows of S + 1), then gets its draft extend and, on its last chunk,
@@ -232,7 +239,7 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
 
     ``draft_probs_hook`` (tests only) rewrites the draft probabilities between the
     proposal and the sampler, as a corrupted buffer would (004).
-    ``synthetic_acceptance`` (benchmarks only) replaces the sampler's verdict by
+    ``state.synthetic_acceptance`` (benchmarks only) replaces the sampler's verdict by
     accepting each draft token with that probability; the emitted token is then the
     target's argmax at the first rejected position.
     """
@@ -271,10 +278,11 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
         if i + 1 < S:
             pos = jnp.where(active, seq_len + i, PAD_POSITION)
             logits, hidden, draft_cache = draft_decode_step(draft, tok, hidden, pos, draft_cache)
-    draft_tokens = jnp.stack(tokens, axis=1)  # [B, S]
-    draft_probs = jnp.stack(qs, axis=1) if probabilistic else None  # [B, S, V]
-    draft_probs_ok = jnp.stack(qs_ok, axis=1) if probabilistic else None  # [B, S]
-    if draft_probs_hook is not None:
+    draft_tokens = (jnp.stack(tokens, axis=1) if S else
+                    jnp.zeros((batch, 0), jnp.int32))  # [B, S]
+    draft_probs = jnp.stack(qs, axis=1) if probabilistic and S else None  # [B, S, V]
+    draft_probs_ok = jnp.stack(qs_ok, axis=1) if probabilistic and S else None  # [B, S]
+    if draft_probs_hook is not None and S:
         if draft_probs is None:
             draft_probs = jax.nn.one_hot(draft_tokens, target_vocab, dtype=jnp.float32)
         draft_probs = draft_probs_hook(draft_probs)
@@ -287,12 +295,16 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
         target, state, verify_tokens, verify_pos, chunk, draft.feature_layers or ())
     features = aux if draft.feature_layers else hidden
 
-    # 3. Accept (Pallas sampler).
-    res = speculative_sample(draft_tokens, draft_probs, target_logits, rows, u_accept,
-                             vocab_size, active, draft_probs_ok=draft_probs_ok)
-    if synthetic_acceptance is not None:
+    # 3. Accept (Pallas sampler). A step that drafts nothing (S = 0, the adaptive
+    # policy's plain step) samples the target's token as plain_step does.
+    if S == 0:
+        res = _target_token(target_logits[:, 0], rows, u_accept[:, 0], vocab_size, active)
+    else:
+        res = speculative_sample(draft_tokens, draft_probs, target_logits, rows, u_accept,
+                                 vocab_size, active, draft_probs_ok=draft_probs_ok)
+    if state.synthetic_acceptance is not None and S:
         res = _synthetic_verdict(res, draft_tokens, target_logits, _uniforms(sub[:, 2], S),
-                                 synthetic_acceptance, active)
+                                 state.synthetic_acceptance, active)
     accept = res.accept_len
     emitted = jnp.take_along_axis(res.tokens, accept[:, None], axis=1)[:, 0]
 
@@ -328,6 +340,17 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
                                        vocab_size=vocab_size)
     return state, StepOutput(res.tokens, n, jnp.where(active, accept, 0), res.num_malformed_q,
                              res.num_fallback, *lp, prefill=prefill)
+
+
+def _target_token(logits: Array, rows: SamplingRows, u: Array, vocab_size: int,
+                  active: Array):
+    """The target's own token (no draft to verify): logits [B, V], u [B] -> a sampler
+    output of width 1 (accept length 0)."""
+    token = sample_from_probs(sampling_probs(logits, rows, vocab_size), u)
+    zeros = jnp.zeros_like(token)
+    return SamplerOutput(tokens=jnp.where(active, token, -1)[:, None],
+                         num_tokens=active.astype(jnp.int32), accept_len=zeros,
+                         num_malformed_q=zeros, num_fallback=zeros)
 
 
 def _synthetic_verdict(res, draft_tokens: Array, target_logits: Array, u: Array, rate: float,

@@ -63,8 +63,15 @@ class SpecDecodeStats:
 
     ``num_drafts``: request-steps that drafted; ``num_draft_tokens``: tokens drafted;
     ``num_accepted_tokens``: draft tokens accepted; ``accepted_per_pos[i]``: draft tokens
-    accepted at position i. Mean accept length (tokens committed per request-step,
-    the bonus token included) is ``1 + num_accepted_tokens / num_drafts``.
+    accepted at position i; ``drafted_per_pos[i]``: request-steps that drafted position
+    i (all of ``num_drafts`` unless the draft length varies). Mean accept length (tokens
+    committed per drafting request-step, the bonus token included) is
+    ``1 + num_accepted_tokens / num_drafts``.
+
+    ``draft_length_steps[s]``: steps dispatched with draft length s (0: the target's
+    step alone). ``forecast_tokens`` / ``forecast_seconds``: what the adaptive policy
+    expected of the steps it chose (committed tokens, device seconds); their ratio is
+    its goodput estimate, to hold against the realised tokens per second.
     """
 
     num_steps: int = 0
@@ -76,13 +83,23 @@ class SpecDecodeStats:
     num_malformed_draft_probs: int = 0
     num_sampler_fallbacks: int = 0
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    drafted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    draft_length_steps: list[int] = dataclasses.field(default_factory=list)
+    forecast_tokens: float = 0.0
+    forecast_seconds: float = 0.0
 
     @property
     def mean_accept_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     def acceptance_per_position(self) -> list[float]:
-        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
+        """Fraction of the request-steps drafting position i that accepted it."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    @property
+    def forecast_goodput(self) -> float | None:
+        """The adaptive policy's expected committed tokens per second over its steps."""
+        return self.forecast_tokens / self.forecast_seconds if self.forecast_seconds else None
 
 
 @dataclasses.dataclass(frozen=True)

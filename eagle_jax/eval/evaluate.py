@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-sample-method", type=_method_list, default=["probabilistic"],
                    help="probabilistic (the engine's default) and/or greedy, "
                         "comma-separated sweep")
+    g.add_argument("--speculative-policy", default="fixed", choices=("fixed", "adaptive"),
+                   help="fixed (default: every step drafts S, the accept length of S is "
+                        "measured) or adaptive (the engine picks each step's length; the "
+                        "report adds the lengths chosen and the policy's goodput forecast)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
     g.add_argument("--skip-baseline", action="store_true",
@@ -186,7 +190,7 @@ def _make_llm(args, target, draft, algo, num_steps, method, tokenizer):
 
     kw = dict(model=target, draft_model=draft if algo != "NONE" else None,
               speculative_algorithm=algo, num_steps=num_steps, draft_sample_method=method,
-              max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
+              speculative_policy=args.speculative_policy, max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
               dtype=args.dtype, seed=args.seed)
     if args.batch_buckets:
         kw["batch_buckets"] = tuple(args.batch_buckets)
@@ -272,8 +276,15 @@ def _summarise_spec(run: RunResult, examples, setting, baseline: dict | None,
                   and d["num_malformed_draft_probs"] == cnt["num_malformed_draft_probs"]
                   and d["num_sampler_fallbacks"] == cnt["num_sampler_fallbacks"])
     timing = _timing(run)
-    out = {"label": f"S={num_steps} T={temperature:g} {method}", "num_steps": num_steps,
+    adaptive = d["forecast_seconds"] > 0
+    out = {"label": f"S={num_steps}{' adaptive' if adaptive else ''} T={temperature:g} "
+                    f"{method}", "num_steps": num_steps,
            "temperature": temperature, "draft_sample_method": method, **acc}
+    # The steps dispatched per draft length, and what the adaptive policy expected of
+    # them (committed tokens per second of step time) against the realised rate.
+    out["draft_length_steps"] = {str(s): n for s, n in enumerate(d["draft_length_steps"])}
+    out["forecast_goodput_tok_s"] = (d["forecast_tokens"] / d["forecast_seconds"]
+                                     if d["forecast_seconds"] else None)
     per_req = metrics.per_request_accept_length(run.records)
     vals = list(per_req.values())
     out["per_request_accept_length"] = (
@@ -377,6 +388,11 @@ def format_table(report: dict) -> str:
         dist = " ".join(f"{k}:{v:.2f}" for k, v in r["accept_length_distribution"].items())
         lines.append(f"{r['label']}: accept length distribution {dist}"
                      + ("" if r["stats_consistent"] else "  [per-step counts != engine.stats]"))
+        if r["forecast_goodput_tok_s"] is not None:
+            steps = " ".join(f"{s}:{n}" for s, n in r["draft_length_steps"].items())
+            lines.append(f"{r['label']}: steps per draft length {steps}; goodput forecast "
+                         f"{r['forecast_goodput_tok_s']:.1f} tok/s, realised "
+                         f"{_fmt(r['output_tokens_per_s'], '.1f')} tok/s")
     sc = report.get("reference_scores")
     if sc:
         lines.append(f"target on references: next-token accuracy "

@@ -2,12 +2,14 @@
 
 Definitions (shared by ``evaluate.py`` and ``compare_replay.py``):
 
-* *request-step*: one request in one speculative decode step (vLLM's "draft").
+* *request-step*: one request in one speculative decode step that drafted (vLLM's
+  "draft"; under the adaptive policy a step may draft 0 tokens: it is no draft).
 * *accept length*: tokens a request-step commits, ``accept_len + 1`` (the accepted
   draft tokens plus the target's correction / bonus token), in [1, S + 1]. Its mean is
   ``1 + accepted / drafts``, ``SpecDecodeStats.mean_accept_length``.
-* *acceptance at position i* (0-based): the share of request-steps that accepted at
-  least i + 1 draft tokens (``accepted_per_pos[i] / num_drafts``).
+* *acceptance at position i* (0-based): the share of the request-steps that drafted
+  position i that accepted at least i + 1 draft tokens (``accepted_per_pos[i] /
+  drafted_per_pos[i]``; every request-step drafts every position at a fixed length).
 * *TPOT* of a request: ``(finish time - first token time) / (output tokens - 1)``;
   requests with a single output token have none. The mean is over requests.
 * *token agreement* of two outputs of one request: the length of their common prefix
@@ -24,28 +26,37 @@ from eagle_jax.eval.recording import StepRecord
 
 
 def accept_summary(records: Sequence[StepRecord], num_steps: int) -> dict:
-    """Accept-length figures of a set of request-steps of one speculative run."""
-    drafts = len(records)
+    """Accept-length figures of a set of request-steps of one speculative run (S =
+    ``num_steps``, the longest draft length)."""
     hist = [0] * (num_steps + 1)  # hist[k]: request-steps that committed k + 1 tokens
     per_pos = [0] * num_steps
-    accepted = 0
+    drafted = [0] * num_steps
+    lengths = [0] * (num_steps + 1)  # lengths[s]: request-steps that drafted s tokens
+    accepted = drafts = draft_tokens = 0
     for r in records:
+        lengths[r.draft_length] += 1
+        if not r.draft_length:
+            continue
         a = r.accept_len
+        drafts += 1
+        draft_tokens += r.draft_length
         hist[min(a, num_steps)] += 1
         accepted += a
-        for i in range(min(a, num_steps)):
-            per_pos[i] += 1
+        for i in range(r.draft_length):
+            drafted[i] += 1
+            per_pos[i] += i < a
     return {
         "num_drafts": drafts,
-        "num_draft_tokens": drafts * num_steps,
+        "num_draft_tokens": draft_tokens,
+        "draft_length_histogram": {str(s): n for s, n in enumerate(lengths)},
         "num_accepted_tokens": accepted,
         "mean_accept_length": 1.0 + accepted / drafts if drafts else 0.0,
         "accept_length_histogram": {str(k + 1): hist[k] for k in range(num_steps + 1)},
         "accept_length_distribution": {
             str(k + 1): hist[k] / drafts if drafts else 0.0 for k in range(num_steps + 1)},
         "accepted_per_position": per_pos,
-        "acceptance_per_position": [c / drafts if drafts else 0.0 for c in per_pos],
-        "draft_acceptance_rate": accepted / (drafts * num_steps) if drafts and num_steps else 0.0,
+        "acceptance_per_position": [c / d if d else 0.0 for c, d in zip(per_pos, drafted)],
+        "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
     }
 
 

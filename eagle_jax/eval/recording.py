@@ -30,6 +30,7 @@ class StepRecord:
     step: int  # engine.stats.num_steps after this step (1-based step index)
     request_id: str
     accept_len: int  # draft tokens accepted (0 for plain decoding)
+    draft_length: int  # draft tokens the step proposed (0: the target's step alone)
     tokens: tuple[int, ...]  # committed by the step, before stop cuts (accept_len + 1)
     num_malformed: int  # draft-probability entries that were not probabilities
     num_fallback: int  # residual draws that fell back to p
@@ -61,6 +62,7 @@ class StepRecorder:
                 self.step_records.append(StepRecord(
                     step=event.step, request_id=request_id,
                     accept_len=int(out.accept_len[slot]) if self.speculative else 0,
+                    draft_length=out.tokens.shape[1] - 1 if self.speculative else 0,
                     tokens=toks,
                     num_malformed=int(out.num_malformed[slot]),
                     num_fallback=int(out.num_fallback[slot]),

@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 import dataclasses
 import logging
 import threading
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
-from ..engine.types import RequestOutput, TokenLogprob
+from ..engine.types import RequestOutput, SpecDecodeStats, TokenLogprob
 from ..sampling import SamplingParams
 from .metrics import ServerMetrics
 
@@ -398,27 +399,37 @@ class AsyncEngine:
         if self.log_interval <= 0 or elapsed < self.log_interval:
             return
         stats = getattr(self.engine, "stats", None)
-        prev = self._log_stats
+        prev = self._log_stats or SpecDecodeStats()
+        policy = ""
         if stats is not None:
-            drafts = stats.num_drafts - (prev.num_drafts if prev else 0)
-            accepted = stats.num_accepted_tokens - (prev.num_accepted_tokens if prev else 0)
-            per_pos = [
-                a - (prev.accepted_per_pos[i] if prev and i < len(prev.accepted_per_pos) else 0)
-                for i, a in enumerate(stats.accepted_per_pos)
-            ]
+            def since(name):
+                now_, then = getattr(stats, name, 0), getattr(prev, name, 0)
+                if isinstance(now_, list):
+                    return [a - (then[i] if i < len(then) else 0) for i, a in enumerate(now_)]
+                return now_ - then
+
+            drafts, accepted = since("num_drafts"), since("num_accepted_tokens")
             mean_len = 1.0 + accepted / drafts if drafts else 0.0
-            per_pos_s = ", ".join(f"{a / drafts:.3f}" if drafts else "0" for a in per_pos)
-            self._log_stats = dataclasses.replace(stats, accepted_per_pos=list(stats.accepted_per_pos))
+            per_pos_s = ", ".join(f"{a / d:.3f}" if d else "0" for a, d in
+                                  zip(since("accepted_per_pos"), since("drafted_per_pos")))
+            if since("forecast_seconds") > 0:
+                lengths = " ".join(f"{s}:{n}" for s, n in
+                                   enumerate(since("draft_length_steps")) if n)
+                policy = (f", steps per draft length: {lengths}, goodput forecast: "
+                          f"{since('forecast_tokens') / since('forecast_seconds'):.1f} "
+                          "tokens/s")
+            self._log_stats = copy.deepcopy(stats)
         else:
             mean_len, per_pos_s = 0.0, ""
         logger.info(
             "running: %d, waiting: %d, generation throughput: %.1f tokens/s, "
-            "mean accept length: %.3f, per-position acceptance: [%s]",
+            "mean accept length: %.3f, per-position acceptance: [%s]%s",
             self.num_running,
             self.num_waiting,
             self._log_tokens / elapsed,
             mean_len,
             per_pos_s,
+            policy,
         )
         self._log_t0 = now
         self._log_tokens = 0

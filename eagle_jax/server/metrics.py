@@ -7,7 +7,14 @@ kept exactly: counters ``vllm:spec_decode_num_drafts`` / ``_num_draft_tokens`` /
 ``vllm:generation_tokens``; gauges ``vllm:num_requests_running`` / ``_waiting``;
 histograms ``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds``,
 ``vllm:time_per_output_token_seconds``, ``vllm:request_queue_time_seconds``. Every
-metric carries ``model_name``. (prometheus_client appends ``_total`` to counter samples,
+metric carries ``model_name``.
+
+eagle_jax's own, for the adaptive draft length (no vLLM equivalent): the histogram
+``eagle_jax:spec_decode_draft_length`` (one observation per engine step: the tokens it
+drafted, 0 for the target's step alone) and the counters
+``eagle_jax:spec_decode_forecast_tokens`` / ``_forecast_seconds`` (what the policy
+expected of its steps: committed tokens and step time), whose rates' ratio is the
+goodput forecast to hold against ``rate(vllm:generation_tokens)``. (prometheus_client appends ``_total`` to counter samples,
 as it does for vLLM.)
 
 Each ``ServerMetrics`` owns a private ``CollectorRegistry``, so several apps can live in
@@ -38,6 +45,9 @@ _LATENCY_BUCKETS = [
 ]
 
 
+_DRAFT_LENGTH_BUCKETS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16]
+
+
 class ServerMetrics:
     """The server's Prometheus collectors, bound to one served model name."""
 
@@ -58,6 +68,21 @@ class ServerMetrics:
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",
             m + ["position"],
+            registry=r,
+        )
+        self.spec_draft_length = Histogram(
+            "eagle_jax:spec_decode_draft_length",
+            "Draft tokens proposed per engine step (0: the target's step alone).", m,
+            buckets=_DRAFT_LENGTH_BUCKETS, registry=r,
+        )
+        self.spec_forecast_tokens = Counter(
+            "eagle_jax:spec_decode_forecast_tokens",
+            "Committed tokens the adaptive draft-length policy expected of its steps.", m,
+            registry=r,
+        )
+        self.spec_forecast_seconds = Counter(
+            "eagle_jax:spec_decode_forecast_seconds",
+            "Step time the adaptive draft-length policy expected of its steps.", m,
             registry=r,
         )
         self.num_running = Gauge(
@@ -117,6 +142,9 @@ class ServerMetrics:
         self._drafts = self.spec_num_drafts.labels(n)
         self._draft_tokens = self.spec_num_draft_tokens.labels(n)
         self._accepted = self.spec_num_accepted_tokens.labels(n)
+        self._draft_length = self.spec_draft_length.labels(n)
+        self._forecast_tokens = self.spec_forecast_tokens.labels(n)
+        self._forecast_seconds = self.spec_forecast_seconds.labels(n)
         self._running = self.num_running.labels(n)
         self._waiting = self.num_waiting.labels(n)
         self._kv_usage = self.kv_cache_usage.labels(n)
@@ -154,11 +182,21 @@ class ServerMetrics:
             child = self.spec_accepted_per_pos.labels(self.model_name, str(pos))
             if value - prev > 0:
                 child.inc(value - prev)
+        for length, steps in enumerate(stats.draft_length_steps):
+            prev = (last.draft_length_steps[length]
+                    if length < len(last.draft_length_steps) else 0)
+            for _ in range(steps - prev):
+                self._draft_length.observe(length)
+        self._forecast_tokens.inc(max(stats.forecast_tokens - last.forecast_tokens, 0.0))
+        self._forecast_seconds.inc(max(stats.forecast_seconds - last.forecast_seconds, 0.0))
         self._last_stats = SpecDecodeStats(
             num_drafts=stats.num_drafts,
             num_draft_tokens=stats.num_draft_tokens,
             num_accepted_tokens=stats.num_accepted_tokens,
             accepted_per_pos=per_pos,
+            draft_length_steps=list(stats.draft_length_steps),
+            forecast_tokens=stats.forecast_tokens,
+            forecast_seconds=stats.forecast_seconds,
         )
 
     def update_scheduler(self, stats: SchedulerStats) -> None:

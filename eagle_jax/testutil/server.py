@@ -23,10 +23,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python scripts/serve.py ARGS`` on a free loopback port; ``base_url`` when healthy."""
+    """``python scripts/serve.py ARGS`` on a free loopback port; ``base_url`` when healthy
+    (``wait=False``: returns at once; ``wait_healthy`` then waits)."""
 
     def __init__(self, args: list[str], env: dict | None = None, log_path: str | None = None,
-                 startup_timeout: float = 240.0):
+                 startup_timeout: float = 240.0, wait: bool = True):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, os.path.join(REPO, "scripts", "serve.py"), *args,
@@ -40,13 +41,15 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=full_env, cwd=REPO)
-        self._wait_healthy(startup_timeout)
+        if wait:
+            self.wait_healthy(startup_timeout)
 
     def log_text(self) -> str:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float) -> None:
+        """Returns once /health answers 200; stops the server and raises otherwise."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,163 @@
+"""Draft length per step: adaptive vs plain decoding and every fixed length, one run.
+
+The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3-shaped draft of bench_engine.py
+(random weights), with synthetic acceptance a (each draft token accepted with
+probability a). One speculative engine compiles every (batch bucket, draft length)
+step once; a is a device value it reads (``Engine.set_synthetic_acceptance``) and each
+cell swaps the policy: ``FixedDraftLength(s)`` for every compiled length s >= 1, and a
+fresh ``AdaptiveDraftLength`` over the step times the engine measured at start-up (so
+every adaptive cell pays its own learning from the prior). Plain decoding is a separate
+engine without a draft. Each cell decodes ``batch`` requests of ``--new-tokens`` tokens,
+or ``--cell-tokens / batch`` if more (small batches run long enough that the realised
+acceptance of their steps is near a), after a ``--prompt-len`` prompt (prefill excluded
+from the rate), greedy.
+
+For every (a, batch) the table gives tok/s of plain and each fixed length, the adaptive
+policy's tok/s, the lengths it chose (share of steps), and adaptive / best of the others
+(the issue's bar: >= 0.97). ``--plot`` draws tok/s against batch, one panel per a.
+
+    python scripts/bench_draft_policy.py [--acceptance 0.5,0.7,0.85]
+        [--batch-sizes 1,8,32,64,128] [--json PATH] [--plot PATH] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
+from eagle_jax.engine.draft_policy import AdaptiveDraftLength, FixedDraftLength  # noqa: E402
+
+from bench_engine import LLAMA_8B, SMALL, decode_rate, random_eagle3, random_target  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--acceptance", default="0.5,0.7,0.85")
+    ap.add_argument("--batch-sizes", default="1,8,32,64,128")
+    ap.add_argument("--draft-lengths", default="0,1,2,3,5",
+                    help="compiled lengths (the largest is num_steps)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--cell-tokens", type=int, default=4096,
+                    help="tokens decoded per cell at least (batch x new tokens)")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args(argv)
+    rates = [float(a) for a in args.acceptance.split(",")]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    lengths = tuple(sorted({int(s) for s in args.draft_lengths.split(",")}))
+    shape = SMALL if args.small else LLAMA_8B
+    dtype = jnp.bfloat16
+    device = jax.devices()[0].device_kind
+    print(f"device: {device}; jax {jax.__version__}; {datetime.date.today()}", flush=True)
+    t0 = time.perf_counter()
+    target = random_target(shape, dtype)
+    draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
+    def new_tokens(batch):
+        return max(args.new_tokens, args.cell_tokens // batch)
+
+    max_len = args.prompt_len + new_tokens(min(batches)) + 2 * (max(lengths) + 1) + 32
+    common = dict(model="random", dtype="bfloat16", max_model_len=max_len,
+                  max_num_seqs=max(batches), batch_buckets=tuple(batches),
+                  prefill_buckets=(min(512, args.prompt_len),), compilation_cache_dir="")
+    plain = Engine(EngineConfig(speculative_algorithm="NONE", **common), target=target)
+    spec = Engine(EngineConfig(
+        speculative_algorithm="EAGLE3", draft_model="random", num_steps=max(lengths),
+        speculative_policy="adaptive", draft_lengths=lengths, synthetic_acceptance=rates[0],
+        **common), target=target, draft=draft)
+    step_seconds = dict(spec.draft_policy.step_seconds)
+    print(f"built and compiled in {time.perf_counter() - t0:.0f} s; step ms by (batch, "
+          "length): " + ", ".join(f"{k}: {v * 1e3:.2f}" for k, v in step_seconds.items()),
+          flush=True)
+    decode_rate(plain, max(batches), args.prompt_len, 8, seed=1)  # warm-up
+    decode_rate(spec, max(batches), args.prompt_len, 8, seed=1)
+
+    plain_rate = {b: decode_rate(plain, b, args.prompt_len, new_tokens(b), seed=2)[0]
+                  for b in batches}
+    fixed = [s for s in lengths if s]
+    rows = []
+    for a in rates:
+        spec.set_synthetic_acceptance(a)
+        for b in batches:
+            row = dict(acceptance=a, batch=b, plain_tok_s=plain_rate[b])
+            for s in fixed:
+                spec.draft_policy = FixedDraftLength(s)
+                row[f"fixed{s}_tok_s"] = decode_rate(spec, b, args.prompt_len,
+                                                     new_tokens(b), seed=2)[0]
+            spec.draft_policy = AdaptiveDraftLength(lengths, step_seconds)
+            before = list(spec.stats.draft_length_steps)
+            row["adaptive_tok_s"] = decode_rate(spec, b, args.prompt_len, new_tokens(b),
+                                                seed=2)[0]
+            steps = np.subtract(spec.stats.draft_length_steps, before)
+            row["adaptive_lengths"] = {str(s): int(steps[s]) for s in lengths if steps[s]}
+            best_name, best = max(((k, v) for k, v in row.items()
+                                   if k.endswith("_tok_s") and k != "adaptive_tok_s"),
+                                  key=lambda kv: kv[1])
+            row["best_other"] = best_name[:-len("_tok_s")]
+            row["adaptive_vs_best"] = row["adaptive_tok_s"] / best
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    print(f"\nsynthetic acceptance per token, S <= {max(lengths)}, prompt {args.prompt_len}, "
+          f"max({args.new_tokens}, {args.cell_tokens} / batch) new tokens, greedy; tok/s "
+          "(decode)\n")
+    head = (["a", "batch", "plain"] + [f"fixed {s}" for s in fixed]
+            + ["adaptive", "lengths chosen (share of steps)", "adaptive / best"])
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        total = sum(r["adaptive_lengths"].values())
+        chosen = " ".join(f"{s}:{n / total:.0%}" for s, n in r["adaptive_lengths"].items())
+        print(f"| {r['acceptance']} | {r['batch']} | {r['plain_tok_s']:.0f} | " + " | ".join(
+            f"{r[f'fixed{s}_tok_s']:.0f}" for s in fixed) + f" | {r['adaptive_tok_s']:.0f} | "
+            f"{chosen} | {r['adaptive_vs_best']:.3f} ({r['best_other']}) |")
+    worst = min(r["adaptive_vs_best"] for r in rows)
+    print(f"\nworst cell: adaptive / best = {worst:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device, date=str(datetime.date.today()), lengths=lengths,
+                           step_seconds={f"{b},{s}": v for (b, s), v in step_seconds.items()},
+                           prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                           cell_tokens=args.cell_tokens,
+                           rows=rows), f, indent=2)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
+        for ax, a in zip(axes[0], rates):
+            sel = [r for r in rows if r["acceptance"] == a]
+            xs = [r["batch"] for r in sel]
+            ax.plot(xs, [r["plain_tok_s"] for r in sel], "k--", label="plain")
+            for s in fixed:
+                ax.plot(xs, [r[f"fixed{s}_tok_s"] for r in sel], alpha=0.6, label=f"fixed {s}")
+            ax.plot(xs, [r["adaptive_tok_s"] for r in sel], "r-o", lw=2, label="adaptive")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"synthetic acceptance a = {a}")
+            ax.set_xlabel("batch")
+            ax.set_ylabel("decode tok/s")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend()
+        fig.suptitle(f"draft length per step, {device}")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
