@@ -14,10 +14,9 @@ rows per request and plain decoding (s = 0) can win. ``AdaptiveDraftLength`` pic
     s* = argmax_s  E[s] / t(B, s)
 
 over the compiled lengths (ties to the shorter). t starts from a timing of each bucket
-and length at start-up (``Engine._time_draft_lengths``, on an idle engine: the weights'
-read and the FLOPs, not the live KV's read nor the host's work between steps) and
-follows, while serving, the time between the ends of consecutive steps of the same
-bucket and length (an exponentially weighted average; a pause of the server, over 4x
+and length at start-up (``Engine._time_draft_lengths``, on rows made live at a fixed
+context: not the served context nor the host's work between steps) and follows, while
+serving, the time between the ends of consecutive steps of the same bucket and length (an exponentially weighted average; a pause of the server, over 4x
 the estimate, is ignored). a_i is estimated from the steps' accept lengths: a
 per-position count of trials and acceptances over every live row of every step,
 decayed per step (an exponentially weighted average over the batch, half-life
@@ -25,9 +24,9 @@ decayed per step (an exponentially weighted average over the batch, half-life
 position is tried only when every position before it was accepted (at a = 0.5, position
 5 in one row-step of 16): alone, its estimate would sit at the prior for hundreds of
 steps and overstate what long drafts commit; the pooled rate, fed by every trial,
-stands in for it until its own trials outweigh ``prior_weight``. Positions past the chosen length are not observed, so
-every ``probe_every`` steps that chose less than the longest length run the next
-longer one: a draft whose acceptance recovers is found again, at the cost of one step
+stands in for it until its own trials outweigh ``prior_weight``. Positions past the
+chosen length are not observed, so every ``probe_every`` steps that chose less than the
+longest length run the next longer one: a draft whose acceptance recovers is found again, at the cost of one step
 in ``probe_every`` at a length one notch off.
 
 Any length keeps the engine's state consistent (every step extends the draft over the
@@ -40,9 +39,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
-POLICIES = ("adaptive", "fixed")
-
 
 def expected_tokens(acceptance: np.ndarray, lengths) -> np.ndarray:
     """E[s] for each s in ``lengths``: committed tokens per request of a step drafting s

@@ -200,10 +200,8 @@ def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
     _, _, logits, chunk_hidden, chunk_aux, pages = _forward_with_chunk(
         target, state, last[:, None], positions, chunk, ())
     logits = logits[:, 0]
-    probs = sampling_probs(logits, rows, vocab_size)
-    token = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])
-    token = jnp.where(active, token, -1)
-    n = active.astype(jnp.int32)
+    res = _target_token(logits, rows, _uniforms(sub[:, 0], 1)[:, 0], vocab_size, active)
+    token, n = res.tokens[:, 0], res.num_tokens
     state = state._replace(
         target_pages=pages,
         seq_len=_write_rows(state.seq_len, batch, seq_len + n),
@@ -344,8 +342,9 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
 
 def _target_token(logits: Array, rows: SamplingRows, u: Array, vocab_size: int,
                   active: Array):
-    """The target's own token (no draft to verify): logits [B, V], u [B] -> a sampler
-    output of width 1 (accept length 0)."""
+    """The target's own token (no draft to verify; plain_step and a step of draft
+    length 0): logits [B, V], u [B] -> a sampler output of width 1 (accept length 0,
+    -1 for inactive rows)."""
     token = sample_from_probs(sampling_probs(logits, rows, vocab_size), u)
     zeros = jnp.zeros_like(token)
     return SamplerOutput(tokens=jnp.where(active, token, -1)[:, None],
