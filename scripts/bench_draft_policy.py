@@ -14,7 +14,9 @@ from the rate), greedy.
 
 For every (a, batch) the table gives tok/s of plain and each fixed length, the adaptive
 policy's tok/s, the lengths it chose (share of steps), and adaptive / best of the others
-(the issue's bar: >= 0.97). ``--plot`` draws tok/s against batch, one panel per a.
+(the issue's bar: >= 0.97); beside plain, its physical bound: one read of the weights
+and of the live KV entries (the mean live length while decoding) per step, over the
+device-to-device copy bandwidth measured in the same run. ``--plot`` draws tok/s against batch, one panel per a.
 
     python scripts/bench_draft_policy.py [--acceptance 0.5,0.7,0.85]
         [--batch-sizes 1,8,32,64,128] [--json PATH] [--plot PATH] [--small]
@@ -35,10 +37,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flax import nnx  # noqa: E402
+
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength, FixedDraftLength  # noqa: E402
 
 from bench_engine import LLAMA_8B, SMALL, decode_rate, random_eagle3, random_target  # noqa: E402
+from benchtools import copy_bandwidth  # noqa: E402
 
 
 def main(argv=None):
@@ -63,8 +68,13 @@ def main(argv=None):
     dtype = jnp.bfloat16
     device = jax.devices()[0].device_kind
     print(f"device: {device}; jax {jax.__version__}; {datetime.date.today()}", flush=True)
+    bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)
     t0 = time.perf_counter()
     target = random_target(shape, dtype)
+    weight_bytes = sum(v.size * v.dtype.itemsize for _, v in nnx.iter_graph(target)
+                       if isinstance(v, nnx.Param))
+    kv_bytes = (2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"]
+                * jnp.dtype(dtype).itemsize)  # per live token
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
     def new_tokens(batch):
         return max(args.new_tokens, args.cell_tokens // batch)
@@ -87,12 +97,16 @@ def main(argv=None):
 
     plain_rate = {b: decode_rate(plain, b, args.prompt_len, new_tokens(b), seed=2)[0]
                   for b in batches}
+    # Plain decoding's bound: one read of the weights and of the live KV per step.
+    bound = {b: b * bw / (weight_bytes + b * (args.prompt_len + new_tokens(b) / 2) * kv_bytes)
+             for b in batches}
     fixed = [s for s in lengths if s]
     rows = []
     for a in rates:
         spec.set_synthetic_acceptance(a)
         for b in batches:
-            row = dict(acceptance=a, batch=b, plain_tok_s=plain_rate[b])
+            row = dict(acceptance=a, batch=b, plain_tok_s=plain_rate[b],
+                       plain_bound=bound[b])  # tok/s
             for s in fixed:
                 spec.draft_policy = FixedDraftLength(s)
                 row[f"fixed{s}_tok_s"] = decode_rate(spec, b, args.prompt_len,
@@ -114,14 +128,17 @@ def main(argv=None):
     print(f"\nsynthetic acceptance per token, S <= {max(lengths)}, prompt {args.prompt_len}, "
           f"max({args.new_tokens}, {args.cell_tokens} / batch) new tokens, greedy; tok/s "
           "(decode)\n")
-    head = (["a", "batch", "plain"] + [f"fixed {s}" for s in fixed]
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
+          f"KV {kv_bytes / 1024:.0f} KiB per live token\n")
+    head = (["a", "batch", "plain", "plain / bound"] + [f"fixed {s}" for s in fixed]
             + ["adaptive", "lengths chosen (share of steps)", "adaptive / best"])
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         total = sum(r["adaptive_lengths"].values())
         chosen = " ".join(f"{s}:{n / total:.0%}" for s, n in r["adaptive_lengths"].items())
-        print(f"| {r['acceptance']} | {r['batch']} | {r['plain_tok_s']:.0f} | " + " | ".join(
+        print(f"| {r['acceptance']} | {r['batch']} | {r['plain_tok_s']:.0f} | "
+              f"{r['plain_tok_s'] / r['plain_bound']:.0%} | " + " | ".join(
             f"{r[f'fixed{s}_tok_s']:.0f}" for s in fixed) + f" | {r['adaptive_tok_s']:.0f} | "
             f"{chosen} | {r['adaptive_vs_best']:.3f} ({r['best_other']}) |")
     worst = min(r["adaptive_vs_best"] for r in rows)
@@ -129,6 +146,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device, date=str(datetime.date.today()), lengths=lengths,
+                           copy_bandwidth=bw, weight_bytes=weight_bytes,
+                           kv_bytes_per_token=kv_bytes,
                            step_seconds={f"{b},{s}": v for (b, s), v in step_seconds.items()},
                            prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                            cell_tokens=args.cell_tokens,

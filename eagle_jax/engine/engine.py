@@ -439,8 +439,10 @@ class Engine:
 
         Runs before any request holds a slot, on rows made live for the purpose: every
         row of the bucket active at ``context`` tokens (at most half of max_model_len),
-        all reading the first pages of the pool, so that the kernels do a live row's
-        work (an inactive row skips it). The pool holds nothing yet, and the rows' state
+        each on pages of its own where the pool holds them, so that the kernels do a live
+        row's work (an inactive row skips it) and no two rows write the same pool row (a
+        scatter with repeated indices serialises on a GPU: shared pages made the timed
+        steps of large buckets up to twice as slow as served ones). The pool holds nothing yet, and the rows' state
         is put back afterwards. Steps are dispatched back to back, as while serving, and
         the device time per step is taken (the context grows by at most a step's tokens
         per call); the policy then follows the measured cycles while serving (their
@@ -450,8 +452,9 @@ class Engine:
         context = max(1, min(context, self.max_model_len // 2))
         num_pages = min(pages_for(context + (repeats + 2) * self.step_tokens, self.page_size),
                         self.max_pages, self.num_pages)
-        row = np.zeros((self.max_pages,), np.int32)
-        row[:num_pages] = np.arange(num_pages)
+        table = np.zeros((self.num_slots, self.max_pages), np.int32)
+        table[:, :num_pages] = (np.arange(self.num_slots)[:, None] * num_pages
+                                + np.arange(num_pages)) % self.num_pages
         idle = jax.tree.map(jnp.copy, self.state._replace(
             target_pages=None, draft_pages=None))  # the step donates what it is given
         seconds = {}
@@ -464,7 +467,7 @@ class Engine:
             for calls in (1, repeats):  # the first call warms the executable up
                 self.state = self.state._replace(
                     active=jnp.asarray(live), seq_len=jnp.where(live, context, 0),
-                    page_table=jnp.asarray(np.where(live[:, None], row[None], 0)))
+                    page_table=jnp.asarray(np.where(live[:, None], table, 0)))
                 jax.block_until_ready(self.state.page_table)
                 t0 = time.perf_counter()
                 for _ in range(calls):
