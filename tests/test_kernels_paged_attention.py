@@ -59,9 +59,10 @@ def _inputs(rng, kv, ql, *, t, n, k, d, page_size, dtype, spare_cols=1, spare_pa
           jnp.asarray(kv, jnp.int32), jnp.asarray(ql, jnp.int32))
 
 
-def _tree_mask(rng, ql, t):
-  """[B, T, T]: node i < q_len has a random parent < i and sees its ancestors and itself;
-  rows of padding tokens and columns past q_len are random (never to be read)."""
+def _tree_mask(rng, ql, t, extra=0):
+  """[B, T, extra + T]: node i < q_len has a random parent < i and sees its ancestors and
+  itself; rows of padding tokens and columns past q_len are random (never to be read).
+  The first `extra` columns (the keys just before the block) are random."""
   masks = rng.random((len(ql), t, t)) < 0.5
   for i, n in enumerate(ql):
     parent = [-1] + [int(rng.integers(0, j)) for j in range(1, n)]
@@ -71,7 +72,7 @@ def _tree_mask(rng, ql, t):
       while a >= 0:
         masks[i, node, a] = True
         a = parent[a]
-  return jnp.asarray(masks)
+  return jnp.asarray(np.concatenate([rng.random((len(ql), t, extra)) < 0.5, masks], axis=2))
 
 
 def _check(out, ref, ql, dtype):
@@ -83,11 +84,12 @@ def _check(out, ref, ql, dtype):
   np.testing.assert_allclose(out, ref, **tol)
 
 
-def _run(seed, kv, ql, *, t, n, k, d, page_size=16, dtype=f32, tree=False, **tuning):
+def _run(seed, kv, ql, *, t, n, k, d, page_size=16, dtype=f32, tree=False, extra=0,
+         **tuning):
   rng = np.random.default_rng(seed)
   q, kp, vp, kc, vc, table, kv_len, q_len = _inputs(
       rng, kv, ql, t=t, n=n, k=k, d=d, page_size=page_size, dtype=dtype)
-  mask = _tree_mask(rng, ql, t) if tree else None
+  mask = _tree_mask(rng, ql, t, extra) if tree else None
   out = paged_attention(q, kp, vp, table, kv_len, q_len, block_mask=mask, **tuning)
   assert out.shape == q.shape and out.dtype == q.dtype
   ref = paged_attention_reference(q, kc, vc, table, kv_len, q_len, block_mask=mask)
@@ -132,6 +134,33 @@ def test_tree_mask(dtype, tuning):
   _run(7, [6, 40, 23, 17], [6, 6, 4, 1], t=6, n=8, k=2, d=64, dtype=dtype, tree=True, **tuning)
 
 
+@pytest.mark.parametrize("dtype,extra,tuning", [
+    (f32, 5, {}), (bf16, 21, dict(num_splits=4, min_split=16, block_n=16))])
+def test_mask_wider_than_block(dtype, extra, tuning):
+  """block_mask [B, T, T + extra]: the first `extra` columns are the keys just before the
+  block. Regions starting before position 0 (kv 6, q 6), inside the committed prefix,
+  and (with splits of 64 keys) across key tiles and split boundaries (kv 200)."""
+  _run(9, [6, 40, 23, 17, 200], [6, 6, 4, 1, 5], t=6, n=8, k=2, d=64, dtype=dtype,
+       tree=True, extra=extra, **tuning)
+
+
+def test_wide_mask_all_before_block_is_causal():
+  """True on every column before the block and lower-triangular inside it: the same
+  output as the causal call, in kernel and reference."""
+  rng = np.random.default_rng(10)
+  kv, ql, t, extra = [6, 40, 200, 0], [6, 3, 6, 0], 6, 9
+  q, kp, vp, kc, vc, table, kv_len, q_len = _inputs(rng, kv, ql, t=t, n=4, k=2, d=64,
+                                                    page_size=16, dtype=f32)
+  mask = np.concatenate([np.ones((4, t, extra), bool), np.tril(np.ones((4, t, t), bool))], 2)
+  split = dict(num_splits=4, min_split=16, block_n=16)
+  causal = paged_attention(q, kp, vp, table, kv_len, q_len, **split)
+  masked = paged_attention(q, kp, vp, table, kv_len, q_len, block_mask=jnp.asarray(mask),
+                           **split)
+  _check(masked, causal, ql, f32)
+  ref = paged_attention_reference(q, kc, vc, table, kv_len, q_len, block_mask=mask)
+  np.testing.assert_allclose(np.asarray(ref), np.asarray(causal), rtol=2e-5, atol=2e-5)
+
+
 def test_page_size_not_dividing_block_n():
   # 4-token pages: one 32-key tile gathers from 8 pages; 48-token pages: a page spans tiles.
   _run(11, [5, 64, 71], [1, 1, 1], t=1, n=4, k=1, d=64, page_size=4, block_n=32)
@@ -158,16 +187,18 @@ def test_reference_against_float64_loop():
   kv, ql, t, n, k, d, ps = [5, 19, 33], [3, 1, 3], 3, 4, 2, 16, 8
   q, _, _, kc, vc, table, kv_len, q_len = _inputs(rng, kv, ql, t=t, n=n, k=k, d=d,
                                                   page_size=ps, dtype=f32)
-  tree = _tree_mask(rng, ql, t)
   qn, kn, vn, tab = (np.asarray(x, np.float64) for x in (q, kc, vc, table))
   g = n // k
-  for mask in (None, tree):
+  # Causal; a tree over the block; a mask that also covers the 4 keys before the block
+  # (for kv 5, q 3 those start before position 0). Every row sees its own key.
+  for mask in (None, _tree_mask(rng, ql, t), _tree_mask(rng, ql, t, 4)):
     expect = np.zeros((len(kv), t, n, d))
     for b in range(len(kv)):
       start = kv[b] - ql[b]
+      m0 = start - (0 if mask is None else mask.shape[2] - t)  # key of mask column 0
       for tok in range(ql[b]):
-        vis = [j for j in range(kv[b]) if j < start or (
-            j <= start + tok if mask is None else bool(mask[b, tok, j - start]))]
+        vis = [j for j in range(kv[b]) if j < m0 or (
+            j <= start + tok if mask is None else bool(mask[b, tok, j - m0]))]
         for head in range(n):
           keys = np.stack([kn[int(tab[b, j // ps]), j % ps, head // g] for j in vis])
           vals = np.stack([vn[int(tab[b, j // ps]), j % ps, head // g] for j in vis])
@@ -208,8 +239,9 @@ def test_bad_shapes_raise():
     paged_attention(q, pool, pool, table, lens[:1], lens)
   with pytest.raises(ValueError, match="q_len"):
     paged_attention_reference(q, pool, pool, table, lens, jnp.ones((3,), jnp.int32))
-  with pytest.raises(ValueError, match="block_mask"):
-    paged_attention(q, pool, pool, table, lens, lens, block_mask=jnp.ones((2, 3, 4), bool))
+  for shape in ((2, 3, 2), (2, 4, 4), (2, 3)):  # M < T, T mismatch, not 3-D
+    with pytest.raises(ValueError, match=r"block_mask must be \[B=2, T=3, M\] with M >= T"):
+      paged_attention(q, pool, pool, table, lens, lens, block_mask=jnp.ones(shape, bool))
 
 
 def test_unsupported_dtype_falls_back_to_reference():

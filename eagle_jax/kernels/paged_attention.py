@@ -8,12 +8,17 @@ keys and a query block of ``q_len[b]`` tokens (1 for decode, S+1 for verify, a p
 chunk, later a tree of drafts), padded to a static T: they are the sequence's LAST
 q_len[b] positions, query t sitting at ``kv_len[b] - q_len[b] + t``.
 
-Visibility. Query t sees every key before the block, and within the block (positions
-``kv_len - q_len .. kv_len - 1``) block key u iff ``u <= t`` (causal, the default) or, when
-``block_mask [B, T, T]`` is given, iff ``block_mask[b, t, u]`` (a tree of draft tokens:
-each node sees its ancestors and itself). Rows t >= q_len[b] (padding), empty sequences
-and rows that see no key output exact zeros. The mask is one predicate on (row, key
-position) inside the key loop, so a per-sequence custom mask changes no other part.
+Visibility. No query sees keys at or after kv_len. Causal (the default): query t sees
+every key up to its own position. With ``block_mask [B, T, M]`` (M >= T, static), the
+mask covers the M key positions ending at the block's last, i.e. starting at ``kv_len -
+q_len - (M - T)``: column u is key position ``kv_len - q_len - (M - T) + u``, visible to
+query t iff ``block_mask[b, t, u]``; keys before that region are always visible. M == T
+is a tree of draft tokens in the block (each node sees its ancestors and itself); M > T
+also masks the M - T keys just before the block (a draft-tree level whose queries see
+only their ancestors among the previous levels' KV). Rows t >= q_len[b] (padding),
+empty sequences and rows that see no key output exact zeros. The mask is one predicate
+on (row, key position) inside the key loop, so a per-sequence custom mask changes no
+other part.
 
 Kernel 1 (``_attention_kernel``), grid ``(query tiles, num_splits, B * K)``. One program
 owns one (sequence b, KV head h, query tile, KV split s). Its query tile is BLOCK_Q rows
@@ -107,8 +112,10 @@ def _check_inputs(q, k_pages, v_pages, page_table, kv_len, q_len, block_mask):
     raise ValueError(f"kv_len must be [B={b}], got shape {kv_len.shape}")
   if q_len.shape != (b,):
     raise ValueError(f"q_len must be [B={b}], got shape {q_len.shape}")
-  if block_mask is not None and block_mask.shape != (b, t, t):
-    raise ValueError(f"block_mask must be [B={b}, T={t}, T={t}], got shape {block_mask.shape}")
+  if block_mask is not None and (block_mask.ndim != 3 or block_mask.shape[:2] != (b, t)
+                                 or block_mask.shape[2] < t):
+    raise ValueError(f"block_mask must be [B={b}, T={t}, M] with M >= T, got shape "
+                     f"{block_mask.shape}; for a mask of the block alone use M = T")
   for name, x in (("page_table", page_table), ("kv_len", kv_len), ("q_len", q_len)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"{name} must be an integer array, got {x.dtype}")
@@ -132,7 +139,7 @@ def paged_attention_reference(
     kv_len,      # [B] int
     q_len,       # [B] int
     *,
-    block_mask=None,  # [B, T, T] bool or None (causal)
+    block_mask=None,  # [B, T, M >= T] bool or None (causal)
     sm_scale=None,
 ):
   """Dense reference: gathers each sequence's pages into [B, max_pages * page_size, K, D]
@@ -161,11 +168,13 @@ def paged_attention_reference(
     qpos = start[:, None] + tok[None, :]  # [B, T]
     visible = pos[None, None, :] <= qpos[:, :, None]
   else:
-    u = jnp.clip(pos[None, :] - start[:, None], 0, t - 1)  # [B, L] block index of a key
-    in_block = pos[None, :] >= start[:, None]
+    cols = block_mask.shape[2]
+    mstart = start - (cols - t)  # [B] key position of mask column 0
+    u = jnp.clip(pos[None, :] - mstart[:, None], 0, cols - 1)  # [B, L] mask column of a key
+    in_region = pos[None, :] >= mstart[:, None]
     bm = block_mask.astype(jnp.bool_)[
         jnp.arange(b)[:, None, None], tok[None, :, None], u[:, None, :]]  # [B, T, L]
-    visible = jnp.where(in_block[:, None, :], bm, True)
+    visible = jnp.where(in_region[:, None, :], bm, True)
   visible = visible & live[:, None, :] & (tok[None, :] < ql[:, None])[:, :, None]
 
   hi = lax.Precision.HIGHEST
@@ -313,8 +322,8 @@ def _attention_kernel(
     q_ref,       # [B * T * N, D]
     k_ref,       # [P * page_size * K, D]
     v_ref,       # [P * page_size * K, D]
-    *refs,       # block mask [B * T, T] int8 if given; out [B * T * N, D]; partials
-    causal: bool, t_len: int, num_heads: int, kv_heads: int, head_dim: int,
+    *refs,       # block mask [B * T, M] int8 if given; out [B * T * N, D]; partials
+    causal: bool, t_len: int, mask_cols: int, num_heads: int, kv_heads: int, head_dim: int,
     page_size: int, max_pages: int, num_pages: int, scale_log2: float, cfg: PagedAttentionConfig,
 ):
   if causal:
@@ -328,6 +337,7 @@ def _attention_kernel(
   kv = jnp.clip(kv_len_ref[b], 0, max_pages * page_size)
   ql = jnp.clip(q_len_ref[b], 0, t_len)
   start = kv - ql  # position of block token 0
+  mstart = start - (mask_cols - t_len)  # position of mask column 0
 
   # The tile's query rows r = t * G + g (token t, head h * G + g).
   r = qt * bq + jnp.arange(bq, dtype=jnp.int32)
@@ -370,11 +380,11 @@ def _attention_kernel(
         # filled gfx942's / gfx950's SGPRs in the split verify tile and spilled.
         visible = pos[None, :] < jnp.minimum(qpos + 1, hi)[:, None]
       else:
-        in_block = pos >= start
-        u = jnp.clip(pos - start, 0, t_len - 1)
+        in_region = pos >= mstart
+        u = jnp.clip(pos - mstart, 0, mask_cols - 1)
         bm = plgpu.load(mask_ref.at[(b * t_len + t_safe)[:, None], u[None, :]],
-                        mask=row_ok[:, None] & (key_ok & in_block)[None, :], other=0)
-        visible = key_ok[None, :] & (~in_block[None, :] | (bm != 0))
+                        mask=row_ok[:, None] & (key_ok & in_region)[None, :], other=0)
+        visible = key_ok[None, :] & (~in_region[None, :] | (bm != 0))
       sc = jnp.where(visible, sc, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(sc, axis=1))
       alpha = jnp.exp2(m - m_new)
@@ -468,8 +478,9 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, kv_len, q_len, bloc
   lens = (kv_len.astype(i32), q_len.astype(i32))
   inputs = [*lens, page_table.astype(i32).reshape(-1), q.reshape(b * t * n, d),
             k_pages.reshape(-1, d), v_pages.reshape(-1, d)]
+  mask_cols = t if causal else block_mask.shape[2]
   if not causal:
-    inputs.append(block_mask.astype(jnp.int8).reshape(b * t, t))
+    inputs.append(block_mask.astype(jnp.int8).reshape(b * t, mask_cols))
   rows = b * t * n
   out_shape = [jax.ShapeDtypeStruct((rows, d), q.dtype)]
   if cfg.num_splits > 1:
@@ -479,7 +490,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, kv_len, q_len, bloc
                   jax.ShapeDtypeStruct((parts,), jnp.float32)]
   params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   kernel = functools.partial(
-      _attention_kernel, kv_heads=kv_heads, num_pages=num_pages,
+      _attention_kernel, mask_cols=mask_cols, kv_heads=kv_heads, num_pages=num_pages,
       scale_log2=scale * _LOG2E, **statics)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(q_tiles, cfg.num_splits, b * kv_heads),
@@ -510,7 +521,7 @@ def paged_attention(
     kv_len,      # [B] int32
     q_len,       # [B] int32
     *,
-    block_mask=None,  # [B, T, T] bool or None
+    block_mask=None,  # [B, T, M >= T] bool or None
     sm_scale=None,
     interpret=None,
     target=None,
@@ -532,8 +543,9 @@ def paged_attention(
       sequence's live pages are never read).
     kv_len: [B] int32 live keys per sequence, the query block included.
     q_len: [B] int32 valid queries of each block (rows past it output 0).
-    block_mask: [B, T, T] bool or None. None = causal inside the block; otherwise query
-      t sees block key u iff block_mask[b, t, u] (keys before the block: always).
+    block_mask: [B, T, M] bool (M >= T, static) or None = causal. Column u is key
+      position kv_len[b] - q_len[b] - (M - T) + u (M == T: block key u); query t sees it
+      iff block_mask[b, t, u]. Keys before those M positions: always visible.
     sm_scale: score scale, None = 1 / sqrt(D).
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
     target: the GPU to pick block sizes for (a key of ``_common.GPU_TARGETS``); None =
