@@ -7,19 +7,9 @@ from eagle_jax.kernels.draft_proposal import (
     propose_from_probs_reference)
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
+from eagle_jax.testutil.stats import chi2_pvalue
 
 ALPHA = 1e-3  # false-alarm rate per chi-square statistic
-
-
-def chi2_pvalue(observed, expected_probs):
-  """Pearson chi-square p-value via the regularised upper incomplete gamma."""
-  import jax
-  observed = np.asarray(observed, np.float64)
-  support = expected_probs > 0
-  assert observed[~support].sum() == 0, "a token of probability 0 was proposed"
-  expected = observed.sum() * expected_probs[support]
-  stat = np.sum((observed[support] - expected) ** 2 / expected)
-  return float(jax.scipy.special.gammaincc((support.sum() - 1) / 2.0, stat / 2.0))
 
 
 def test_greedy_rows_propose_argmax_at_temperature_one():

@@ -9,21 +9,11 @@ from eagle_jax.kernels.draft_proposal import propose_from_probs
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.kernels.spec_sampler import PAD_TOKEN, speculative_sample, speculative_sample_reference
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
+from eagle_jax.testutil.stats import chi2_pvalue
 
 # Chi-square test: false-alarm rate alpha = 1e-3 per statistic (p-value from the
 # regularised upper incomplete gamma function, scipy is not installed).
 ALPHA = 1e-3
-
-
-def chi2_pvalue(observed, expected_probs):
-  observed = np.asarray(observed, np.float64)
-  n = observed.sum()
-  support = expected_probs > 0
-  assert observed[~support].sum() == 0, "a token of probability 0 was emitted"
-  expected = n * expected_probs[support]
-  stat = np.sum((observed[support] - expected) ** 2 / expected)
-  dof = support.sum() - 1
-  return float(jax.scipy.special.gammaincc(dof / 2.0, stat / 2.0))
 
 
 def _inputs(seed, batch, num_draft, num_cols, vocab):

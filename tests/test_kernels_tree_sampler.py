@@ -11,23 +11,12 @@ import pytest
 from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
 from eagle_jax.kernels.tree_sampler import (
     PAD_TOKEN, tree_speculative_sample, tree_speculative_sample_reference)
+from eagle_jax.testutil.stats import chi2_pvalue
 
 # Chi-square / z tests: false-alarm rate alpha = 1e-3 per statistic (p-value from the
 # regularised upper incomplete gamma function, scipy is not installed).
 ALPHA = 1e-3
 Z_CRIT = 3.29  # two-sided normal quantile for alpha = 1e-3
-
-
-def chi2_pvalue(observed, expected_probs):
-  observed = np.asarray(observed, np.float64).ravel()
-  expected_probs = np.asarray(expected_probs, np.float64).ravel()
-  n = observed.sum()
-  support = expected_probs > 0
-  assert observed[~support].sum() == 0, "a token of probability 0 was emitted"
-  expected = n * expected_probs[support]
-  stat = np.sum((observed[support] - expected) ** 2 / expected)
-  dof = support.sum() - 1
-  return float(jax.scipy.special.gammaincc(dof / 2.0, stat / 2.0))
 
 
 # --------------------------------------------------------------------------------------
