@@ -38,9 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-model", default=None, help="checkpoint directory of the draft")
     g.add_argument("--speculative-algorithm", default="EAGLE3",
                    choices=["EAGLE", "EAGLE3", "NONE"], type=str.upper)
-    g.add_argument("--num-steps", type=_positive_int, default=5, help="draft steps per step")
+    g.add_argument("--num-steps", type=_positive_int, default=5,
+                   help="draft steps per step: a chain's length, a tree's depth")
+    g.add_argument("--speculative-eagle-topk", type=_positive_int, default=1,
+                   help="K: 1 drafts a chain (default); K > 1 an EAGLE-2 dynamic tree, "
+                        "K children per expanded node (the policy is then fixed)")
     g.add_argument("--num-draft-tokens", type=_positive_int, default=None,
-                   help="draft tokens per step (default: num_steps + 1)")
+                   help="tokens the target verifies per step, the root included: a chain's "
+                        "num_steps + 1 (its only value); a tree's root + nodes (default 32, "
+                        "at most 1 + K + (num_steps - 1) K^2)")
+    g.add_argument("--tree-verify", default="recursive_rejection",
+                   choices=["recursive_rejection", "target_only"],
+                   help="trees: how sampled requests are verified: recursive_rejection (the "
+                        "draft's real q, exact; default) or target_only (SGLang's rule); "
+                        "greedy requests take the target's argmax path either way")
     g.add_argument("--speculative-policy", default=None, choices=["adaptive", "fixed"],
                    help="adaptive: each step drafts the length (of --speculative-draft-lengths)"
                         " with the most expected committed tokens per second; fixed: every "
@@ -143,27 +154,33 @@ def main(argv: list[str] | None = None) -> int:
         extra["prefill_buckets"] = _buckets(args.prefill_buckets)
     if args.batch_buckets:
         extra["batch_buckets"] = _buckets(args.batch_buckets)
-    config = EngineConfig(
-        model=model,
-        draft_model=draft,
-        speculative_algorithm=args.speculative_algorithm,
-        num_steps=args.num_steps,
-        num_draft_tokens=args.num_draft_tokens,
-        draft_sample_method=args.draft_sample_method,
-        speculative_policy=args.speculative_policy,
-        draft_lengths=args.speculative_draft_lengths,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        page_size=args.page_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        seed=args.seed,
-        precompile=not args.no_precompile,
-        **extra,
-    )
+    try:
+        config = EngineConfig(
+            model=model,
+            draft_model=draft,
+            speculative_algorithm=args.speculative_algorithm,
+            num_steps=args.num_steps,
+            speculative_eagle_topk=args.speculative_eagle_topk,
+            num_draft_tokens=args.num_draft_tokens,
+            tree_verify=args.tree_verify,
+            draft_sample_method=args.draft_sample_method,
+            speculative_policy=args.speculative_policy,
+            draft_lengths=args.speculative_draft_lengths,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            page_size=args.page_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            dtype=args.dtype,
+            kv_cache_memory=args.kv_cache_memory,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+            seed=args.seed,
+            precompile=not args.no_precompile,
+            **extra,
+        )
+    except ValueError as e:  # a flag the engine refuses
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     log.info("loading the engine: %s", config)
     engine = Engine(config)
 

@@ -18,6 +18,8 @@ from eagle_jax.engine import Engine, EngineConfig
 # One batch bucket and one prefill chunk keep compiles few; engines are shared per module.
 BASE = dict(dtype="float32", max_model_len=96, max_num_seqs=4, batch_buckets=(4,),
             prefill_buckets=(32,), compilation_cache_dir="", num_steps=3)
+# A draft tree: 3 children per expanded node, 3 levels, root + 11 nodes verified.
+TREE = dict(speculative_eagle_topk=3, num_draft_tokens=12)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +57,11 @@ def engines(models):
         if name not in built:
             algo, method = {"none": ("NONE", "greedy"), "eagle3": ("EAGLE3", "greedy"),
                             "eagle3_prob": ("EAGLE3", "probabilistic"),
-                            "eagle1": ("EAGLE", "greedy")}[name]
-            built[name] = _new_engine(models, algo, draft_sample_method=method)
+                            "eagle1": ("EAGLE", "greedy"),
+                            "eagle3_tree": ("EAGLE3", "probabilistic"),
+                            "eagle1_tree": ("EAGLE", "probabilistic")}[name]
+            tree = TREE if name.endswith("_tree") else {}
+            built[name] = _new_engine(models, algo, draft_sample_method=method, **tree)
         return built[name]
 
     return get
@@ -84,7 +89,7 @@ def _run(engine, schedule):
     return out
 
 
-@pytest.mark.parametrize("name", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("name", ["eagle3", "eagle1", "eagle3_tree", "eagle1_tree"])
 def test_greedy_speculative_equals_target_with_joins_and_leaves(engines, name):
     prompts = _prompts(6, seed=1)
     greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
@@ -118,23 +123,25 @@ def test_greedy_rows_keep_argmax_accept_length_under_rejection_sampling(engines)
     assert lengths["eagle3"] == lengths["eagle3_prob"]
 
 
-def test_mixed_batch_keeps_each_rows_behaviour(engines):
+@pytest.mark.parametrize("name", ["eagle3_prob", "eagle3_tree"])
+def test_mixed_batch_keeps_each_rows_behaviour(engines, name):
     prompts = _prompts(4, seed=3)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=5)
     alone = _run(engines("none"), [(0, f"r{i}", p, greedy) for i, p in enumerate(prompts)])
-    eng = engines("eagle3_prob")
+    eng = engines(name)
     mixed = _run(eng, [(0, f"r{i}", p, greedy if i % 2 == 0 else sampled)
                        for i, p in enumerate(prompts)])
     assert mixed["r0"] == alone["r0"] and mixed["r2"] == alone["r2"]
     assert all(0 <= t < 300 for t in mixed["r1"] + mixed["r3"])
 
 
-def test_same_seed_same_output_regardless_of_batch(engines):
+@pytest.mark.parametrize("name", ["eagle3_prob", "eagle3_tree"])
+def test_same_seed_same_output_regardless_of_batch(engines, name):
     prompts = _prompts(3, seed=4)
     p = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14, ignore_eos=True, seed=100 + i)
          for i in range(3)]
-    eng = engines("eagle3_prob")
+    eng = engines(name)
     together = _run(eng, [(0, f"r{i}", q, s) for i, (q, s) in enumerate(zip(prompts, p))])
     alone = _run(eng, [(0, "r1", prompts[1], p[1])])
     assert alone["r1"] == together["r1"]

@@ -13,17 +13,27 @@ from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def checkpoints(tmp_path_factory):
     from eagle_jax.testutil.drafts import write_tiny_eagle3_draft
     from eagle_jax.testutil.models import write_tiny_target
 
     root = tmp_path_factory.mktemp("export")
     target = write_tiny_target(str(root / "t"), "llama", vocab_size=320)
-    draft = write_tiny_eagle3_draft(str(root / "d"), target, draft_vocab_size=200)
+    return target, write_tiny_eagle3_draft(str(root / "d"), target, draft_vocab_size=200)
+
+
+def _engine(checkpoints, **kw):
+    target, draft = checkpoints
     return Engine(EngineConfig(
         model=target, draft_model=draft, speculative_algorithm="EAGLE3", num_steps=3,
         draft_sample_method="probabilistic", dtype="bfloat16", max_model_len=64, max_num_seqs=4,
-        batch_buckets=(4,), prefill_buckets=(16,), compilation_cache_dir="", precompile=False))
+        batch_buckets=(4,), prefill_buckets=(16,), compilation_cache_dir="", precompile=False,
+        **kw))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    return _engine(checkpoints)
 
 
 @pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
@@ -39,3 +49,20 @@ def test_spec_step_exports_with_triton_kernels(engine, platform, target):
     calls = text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}")
     assert calls >= 3 + 2 + 3 + 1, calls
     assert exported.platforms == (platform,)
+
+
+@pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
+def test_tree_step_exports_with_triton_kernels(checkpoints, platform, target):
+    engine = _engine(checkpoints, speculative_eagle_topk=4, num_draft_tokens=16)
+    with compiled_kernels(target=target):
+        exported = jax.export.export(
+            jax.jit(engine.step_function(4), donate_argnums=(2,)), platforms=[platform],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
+        )(*engine.step_inputs())
+    text = exported.mlir_module()
+    # Paged attention (draft levels 2..S, verify, extend), fused norm-concat (each draft
+    # forward), tree mask, tree sampler, gathered LM head (extend).
+    calls = text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}")
+    assert calls >= 2 + 1 + 3 + 1 + 1 + 1, calls
+    for name in ("tree_mask", "tree_sampler"):
+        assert name in text, name

@@ -111,6 +111,9 @@ def test_evaluate_report_matches_engine_counts(pair, tmp_path):
 
     greedy = rep["runs"][0]
     assert greedy["greedy_identical"] == {"identical": 5, "total": 5}
+    for r in rep["runs"]:  # a chain: K = 1, S + 1 tokens verified per step
+        assert (r["topk"], r["num_verify_tokens"], r["tree_verify"]) == (1, 3, None)
+    assert "tree verify" not in ev.format_table(rep)  # a sweep of chains prints as before
     assert run["greedy_identical"] is None
     for r in rep["runs"]:
         assert r["output_tokens_per_s"] > 0 and r["mean_tpot_ms"] > 0
@@ -152,3 +155,77 @@ def test_missing_default_pair_exits_2(monkeypatch, tmp_path, capsys):
     assert ev.main(["--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "not shipped yet" in err and "--model" in err
+
+
+
+def test_tree_settings_in_the_sweep(pair, tmp_path):
+    """A tree (K = 2, depth 3, N = 6 tokens verified per step) through the sweep: the
+    report names it and counts its accept lengths per depth, as for a chain of 3."""
+    out = tmp_path / "report.json"
+    rc = ev.main([
+        "--model", pair["target"], "--draft-model", pair["draft"], "--dataset", pair["data"],
+        "--num-steps", "3", "--speculative-eagle-topk", "2", "--num-draft-tokens", "6",
+        "--temperature", "0,1", "--batch-size", "3", "--batch-buckets", "3",
+        "--prefill-buckets", "32", "--max-model-len", "64", "--max-tokens", "10",
+        "--seed", "3", "--compilation-cache-dir", "", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["config"]["speculative_eagle_topk"] == [2]
+    assert rep["config"]["num_draft_tokens"] == [6]
+    assert rep["config"]["tree_verify"] == ["recursive_rejection"]
+    assert [r["label"] for r in rep["runs"]] == ["S=3 K=2 N=6 T=0 recursive_rejection",
+                                                 "S=3 K=2 N=6 T=1 recursive_rejection"]
+    for r in rep["runs"]:
+        assert (r["topk"], r["num_verify_tokens"], r["tree_verify"]) == (
+            2, 6, "recursive_rejection")
+        assert r["draft_sample_method"] is None and r["num_steps"] == 3
+        # A tree of depth 3 commits 1 .. 4 tokens per request-step, counted per depth;
+        # each request-step drafted the tree's N - 1 = 5 nodes.
+        assert r["num_drafts"] > 0 and r["num_draft_tokens"] == 5 * r["num_drafts"]
+        assert 1.0 <= r["mean_accept_length"] <= 4.0
+        acc = r["acceptance_per_position"]
+        assert len(acc) == 3 and all(0.0 <= a <= 1.0 for a in acc)
+        assert acc == sorted(acc, reverse=True)
+        assert r["mean_accept_length"] == pytest.approx(1.0 + sum(acc))
+        assert sorted(r["accept_length_histogram"]) == ["1", "2", "3", "4"]
+        assert sum(r["accept_length_distribution"].values()) == pytest.approx(1.0)
+        assert r["stats_consistent"] is True
+        assert r["num_invalid_tokens"] == r["num_stray_output_tokens"] == 0
+        assert r["engine_stats"]["draft_length_steps"][3] > 0  # every step drafts depth 3
+        assert r["num_output_tokens"] > 0 and r["speedup"] > 0
+    assert rep["runs"][0]["greedy_identical"] == {"identical": 5, "total": 5}
+    table = ev.format_table(rep)
+    assert table.splitlines()[0].split()[:5] == ["setting", "K", "N", "tree", "verify"]
+    assert "S=3 K=2 N=6 T=1 recursive_rejection  2  6  recursive_rejection" in table
+
+
+def test_sweep_settings():
+    """Chains for each S x draft-sample method; trees for each K > 1 x tree depth x N x
+    verify rule, not once per method."""
+    args = ev.build_parser().parse_args([
+        "--num-steps", "5", "--tree-num-steps", "6,4", "--speculative-eagle-topk", "1,4,2",
+        "--num-draft-tokens", "32,16", "--tree-verify", "target_only,recursive_rejection",
+        "--draft-sample-method", "greedy,probabilistic"])
+    got = [st.label(1.0) for st in ev._settings(args)]
+    assert got[:2] == ["S=5 T=1 greedy", "S=5 T=1 probabilistic"]
+    assert got[2:6] == ["S=6 K=4 N=32 T=1 target_only", "S=6 K=4 N=32 T=1 recursive_rejection",
+                        "S=6 K=4 N=16 T=1 target_only", "S=6 K=4 N=16 T=1 recursive_rejection"]
+    assert len(got) == 2 + 2 * 2 * 2 * 2 and got[-1] == "S=4 K=2 N=16 T=1 recursive_rejection"
+    # Defaults: chains only, S + 1 verified; a tree's N left to the engine (32).
+    args = ev.build_parser().parse_args(["--speculative-eagle-topk", "1,4", "--num-steps", "6"])
+    assert ev._settings(args) == [ev.Setting(6, "probabilistic"),
+                                  ev.Setting(6, None, 4, None, "recursive_rejection")]
+    cfg = ev._engine_config(args, "target", "draft", "EAGLE3", ev._settings(args)[1])
+    assert (cfg.num_draft_tokens, cfg.speculative_policy) == (32, "fixed")
+    assert ev._settings(args)[1].label(0.0, num_verify_tokens=32) == (
+        "S=6 K=4 N=32 T=0 recursive_rejection")
+
+
+def test_tree_flags_checked_before_running(pair, capsys):
+    # K = 2, depth 2: at most 1 + 2 + 4 = 7 tokens verified per step.
+    assert ev.main(["--model", pair["target"], "--draft-model", pair["draft"],
+                    "--num-steps", "2", "--speculative-eagle-topk", "2",
+                    "--num-draft-tokens", "8", "--no-progress"]) == 2
+    assert "num_draft_tokens 8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ev.build_parser().parse_args(["--tree-verify", "sglang"])

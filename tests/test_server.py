@@ -925,3 +925,45 @@ def test_engine_step_error_fails_requests_with_500(tmp_path, caplog):
     with caplog.at_level("ERROR", logger="eagle_jax.server"):
         asyncio.run(main())
     assert "injected engine failure" in caplog.text and "Traceback" in caplog.text
+
+
+def test_tree_drafting_server_greedy_and_metrics(models):
+    """A server drafting trees (--speculative-eagle-topk): greedy completions are the
+    target's own, and /metrics counts the tree's nodes as draft tokens and acceptance
+    per depth."""
+    from eagle_jax import LLM
+    from eagle_jax.engine import EngineConfig
+    from eagle_jax.sampling import SamplingParams
+
+    target, draft = models
+    tree_nodes = 7
+    proc = ServerProcess(_engine_args(target, draft) + [
+        "--speculative-eagle-topk", "3", "--num-draft-tokens", str(tree_nodes + 1)])
+    try:
+        with httpx.Client(base_url=proc.base_url, timeout=120) as http:
+            plain = LLM(EngineConfig(model=target, speculative_algorithm="NONE",
+                                     max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                                     batch_buckets=(MAX_NUM_SEQS,),
+                                     prefill_buckets=(PREFILL_CHUNK,), dtype="float32",
+                                     precompile=False))
+            prompt_ids = [http.post("/tokenize", json={"prompt": p}).json()["tokens"]
+                          for p in PROMPTS]
+            offline = plain.generate([list(p) for p in prompt_ids], SamplingParams(
+                temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+            for p, ids, out in zip(PROMPTS, prompt_ids, offline):
+                served, text, _ = _greedy(http, ids, 20, ignore_eos=True)
+                assert served == list(out.token_ids), p
+            r = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16,
+                                                   "temperature": 1.0, "seed": 3})
+            assert r.status_code == 200, r.text
+            after = _wait_idle(http)
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.log_text()
+    drafts = _m(after, "vllm:spec_decode_num_drafts_total")
+    per_depth = [_m(after, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                    position=str(k)) for k in range(NUM_STEPS)]
+    assert drafts > 0
+    assert _m(after, "vllm:spec_decode_num_draft_tokens_total") == tree_nodes * drafts
+    assert sum(per_depth) == _m(after, "vllm:spec_decode_num_accepted_tokens_total")
+    assert all(a >= b for a, b in zip(per_depth, per_depth[1:]))  # a path's depths

@@ -8,6 +8,8 @@ import os
 ALGORITHMS = ("EAGLE", "EAGLE3", "NONE")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
+TREE_VERIFY_METHODS = ("recursive_rejection", "target_only")
+DEFAULT_TREE_TOKENS = 32
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -20,14 +22,25 @@ class EngineConfig:
       model: Hugging Face directory of the target model.
       draft_model: directory of the EAGLE-1 / EAGLE-3 draft (required unless NONE).
       speculative_algorithm: "EAGLE", "EAGLE3" or "NONE" (plain decoding).
-      num_steps: S, draft tokens proposed per step (chain drafting).
-      num_draft_tokens: S + 1 for chains (the verified window); None derives it.
+      num_steps: S, draft tokens proposed per step (chain drafting), or the depth of a
+        draft tree (at most S tokens accepted from it).
+      speculative_eagle_topk: K, children per expanded node; 1 drafts a chain, K > 1 an
+        EAGLE-2 dynamic tree (``draft_tree.py``), expanding K nodes per level.
+      num_draft_tokens: tokens the target verifies per step, the root (the last
+        committed token) included: S + 1 for chains (None derives it); for trees the
+        root and num_draft_tokens - 1 drafted nodes (None: 32, SGLang's usual choice),
+        at most 1 + K + (S-1) K^2 (the candidates there are).
+      tree_verify: how a tree's sampled rows are verified: "recursive_rejection" (the
+        draft's real q, children drawn without replacement; exact) or "target_only"
+        (SGLang's rule over the draft's top-K children, also exact; the baseline).
+        Greedy rows take the target's argmax path either way.
       speculative_policy: "adaptive" chooses each step's draft length among
         ``draft_lengths`` for the most expected committed tokens per second (each
         variant timed at start-up, acceptance estimated while serving:
         ``draft_policy.py``); "fixed" drafts num_steps in every step. None = the
         backend's default: adaptive on a GPU; fixed on a CPU, where every length is
-        another step executable to compile at start-up (seconds each).
+        another step executable to compile at start-up (seconds each), and fixed for
+        trees (the policy chooses chain lengths).
       draft_lengths: the lengths "adaptive" chooses from, 0 (the target's step) to
         num_steps; None = 0, 1, 2, 3 and num_steps. A step that carries a prompt chunk
         drafts num_steps (its chunk rows are num_steps + 1 wide).
@@ -68,7 +81,9 @@ class EngineConfig:
     draft_model: str | None = None
     speculative_algorithm: str = "EAGLE3"
     num_steps: int = 5
+    speculative_eagle_topk: int = 1
     num_draft_tokens: int | None = None
+    tree_verify: str = "recursive_rejection"
     speculative_policy: str | None = None
     draft_lengths: tuple[int, ...] | None = None
     draft_sample_method: str = "probabilistic"
@@ -99,12 +114,33 @@ class EngineConfig:
             raise ValueError(f"speculative_algorithm {algo} needs a draft_model directory")
         if self.num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
-        if self.num_draft_tokens is None:
-            object.__setattr__(self, "num_draft_tokens", self.num_steps + 1)
-        elif self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(
-                f"chain drafting verifies num_steps + 1 tokens: num_draft_tokens must be "
-                f"{self.num_steps + 1} for num_steps {self.num_steps}, got {self.num_draft_tokens}")
+        topk = self.speculative_eagle_topk
+        if topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be >= 1, got {topk}")
+        if self.tree_verify not in TREE_VERIFY_METHODS:
+            raise ValueError(f"tree_verify must be one of {TREE_VERIFY_METHODS}, got "
+                             f"{self.tree_verify!r}")
+        if topk == 1:
+            if self.num_draft_tokens is None:
+                object.__setattr__(self, "num_draft_tokens", self.num_steps + 1)
+            elif self.num_draft_tokens != self.num_steps + 1:
+                raise ValueError(
+                    f"chain drafting verifies num_steps + 1 tokens: num_draft_tokens must be "
+                    f"{self.num_steps + 1} for num_steps {self.num_steps}, got "
+                    f"{self.num_draft_tokens} (or set speculative_eagle_topk > 1 for a tree)")
+        else:
+            most = 1 + topk + (self.num_steps - 1) * topk * topk
+            if self.num_draft_tokens is None:
+                object.__setattr__(self, "num_draft_tokens", min(DEFAULT_TREE_TOKENS, most))
+            elif not 2 <= self.num_draft_tokens <= most:
+                raise ValueError(
+                    f"a tree of topk {topk} and {self.num_steps} steps verifies 2 .. {most} "
+                    f"tokens (root included), got num_draft_tokens {self.num_draft_tokens}")
+            if self.speculative_policy == "adaptive":
+                raise ValueError("speculative_policy 'adaptive' chooses chain lengths; with "
+                                 "speculative_eagle_topk > 1 use 'fixed' (or leave it unset)")
+            if self.speculative_policy is None:
+                object.__setattr__(self, "speculative_policy", "fixed")
         if self.speculative_policy is not None and (
                 self.speculative_policy not in SPECULATIVE_POLICIES):
             raise ValueError(f"speculative_policy must be one of {SPECULATIVE_POLICIES}, "

@@ -41,6 +41,7 @@ from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.engine import step as step_lib
 from eagle_jax.engine.config import CPU_MAX_MODEL_LEN, EngineConfig
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength, FixedDraftLength
+from eagle_jax.engine.draft_tree import scratch_positions
 from eagle_jax.engine.page_allocator import (
     OutOfPages, PageAllocator, page_hashes, pages_for, plan_pool)
 from eagle_jax.engine.types import (
@@ -171,8 +172,15 @@ class Engine:
         self.model_name = config.served_model_name or os.path.basename(
             os.path.normpath(config.model))
         self.num_steps = config.num_steps if config.speculative else 0
-        # Tokens one step may write per request: the verified window (S + 1) or 1.
-        self.step_tokens = self.num_steps + 1
+        self.tree_topk = config.speculative_eagle_topk if config.speculative else 1
+        # Positions one step verifies per request: the chain's window (S + 1), a tree's
+        # root and nodes, or 1. A prompt chunk riding in a step comes in rows this wide.
+        self.verify_width = config.num_draft_tokens if self.num_steps else 1
+        # Positions one step may write per request above its length: a tree's draft also
+        # writes its scratch rows there.
+        self.step_tokens = self.verify_width if self.tree_topk == 1 else max(
+            self.verify_width,
+            scratch_positions(self.tree_topk, self.num_steps, self.verify_width - 1))
         self.page_size = config.page_size
         self.num_slots = config.max_num_seqs
         self._size_pool()
@@ -343,7 +351,7 @@ class Engine:
         length = self.num_steps if draft_length is None else draft_length
         args = self.step_inputs()
         if chunk_rows:
-            args += (self._chunk_spec(chunk_rows * self.step_tokens),)
+            args += (self._chunk_spec(chunk_rows * self.verify_width),)
         return self._executable(("step", batch, with_logprobs, chunk_rows, length),
                                 self.step_function(batch, with_logprobs, chunk_rows, length),
                                 args, (2,))
@@ -358,7 +366,7 @@ class Engine:
         """The pure step of a batch bucket:
         ``(target_params, draft_params, state, page_updates) -> (state, StepOutput)``,
         drafting ``draft_length`` tokens (default num_steps); with ``chunk_rows``, a fifth
-        argument, a ``PrefillChunk`` of ``chunk_rows`` x step_tokens positions, rides in
+        argument, a ``PrefillChunk`` of ``chunk_rows`` x verify_width positions, rides in
         the step's forward. The engine compiles it with ``state`` donated."""
         length = self.num_steps if draft_length is None else draft_length
         if chunk_rows and length != self.num_steps:
@@ -371,6 +379,12 @@ class Engine:
                 return step_lib.plain_step(target, state, page_updates, batch=batch,
                                            vocab_size=self.vocab_size,
                                            with_logprobs=with_logprobs, chunk=chunk)
+            if self.tree_topk > 1:
+                return step_lib.tree_spec_step(
+                    target, _merge(dg, draft_params), state, page_updates, batch=batch,
+                    num_steps=length, topk=self.tree_topk, num_nodes=self.verify_width - 1,
+                    target_only=cfg.tree_verify == "target_only", vocab_size=self.vocab_size,
+                    with_logprobs=with_logprobs, chunk=chunk)
             return step_lib.spec_step(
                 target, _merge(dg, draft_params), state, page_updates, batch=batch,
                 num_steps=length,
@@ -400,12 +414,12 @@ class Engine:
         return self._executable(("prefill", size), run, args, (2,))
 
     def _chunk_rows(self, batch: int) -> int:
-        """Rows of step_tokens positions that a decode step of bucket ``batch`` carries
+        """Rows of verify_width positions that a decode step of bucket ``batch`` carries
         for a prompt chunk: the step's token budget less its own rows, at most the
         longest prefill chunk, at least one row."""
-        room = min(self.config.max_num_batched_tokens - batch * self.step_tokens,
+        room = min(self.config.max_num_batched_tokens - batch * self.verify_width,
                    self.chunk_len)
-        return max(1, room // self.step_tokens)
+        return max(1, room // self.verify_width)
 
     def _assign_fn(self):
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
@@ -435,7 +449,20 @@ class Engine:
 
     def _time_draft_lengths(self, repeats: int = 8, context: int = 256) -> None:
         """Times the step of every batch bucket and draft length and hands the table to
-        the adaptive policy.
+        the adaptive policy."""
+        seconds = self.time_steps(repeats, context)
+        self.draft_policy = AdaptiveDraftLength(self.draft_lengths, seconds)
+        logger.info("engine: adaptive draft length over %s; step ms by bucket: %s",
+                    self.draft_lengths, "; ".join(
+                        f"{b}: " + ", ".join(f"{seconds[b, s] * 1e3:.2f}"
+                                             for s in self.draft_lengths)
+                        for b in self.batch_buckets))
+
+    def time_steps(self, repeats: int = 8, context: int = 256, greedy: bool = False
+                   ) -> dict[tuple[int, int], float]:
+        """Seconds per step of every batch bucket and draft length: {(bucket, length): s},
+        with every live row sampling at temperature 1 (the padded rows' parameters), or
+        greedy (``greedy``).
 
         Runs before any request holds a slot, on rows made live for the purpose: every
         row of the bucket active at ``context`` tokens (at most half of max_model_len),
@@ -458,6 +485,9 @@ class Engine:
         idle = jax.tree.map(jnp.copy, self.state._replace(
             target_pages=None, draft_pages=None))  # the step donates what it is given
         seconds = {}
+        rows = SamplingRows.padded(self.num_slots)  # numpy: each step gets (donates) a copy
+        if greedy:
+            rows = rows._replace(top_k=np.ones_like(rows.top_k))
         jobs = [(b, s) for b in self.batch_buckets for s in self.draft_lengths]
         for bucket, length in tqdm(jobs, desc="timing draft lengths", leave=False):
             live = np.arange(self.num_slots) < bucket
@@ -467,7 +497,8 @@ class Engine:
             for calls in (1, repeats):  # the first call warms the executable up
                 self.state = self.state._replace(
                     active=jnp.asarray(live), seq_len=jnp.where(live, context, 0),
-                    page_table=jnp.asarray(np.where(live[:, None], table, 0)))
+                    page_table=jnp.asarray(np.where(live[:, None], table, 0)),
+                    sampling=SamplingRows(*(jnp.asarray(x) for x in rows)))
                 jax.block_until_ready(self.state.page_table)
                 t0 = time.perf_counter()
                 for _ in range(calls):
@@ -476,12 +507,7 @@ class Engine:
             seconds[bucket, length] = (time.perf_counter() - t0) / repeats
         pages = self.state.target_pages, self.state.draft_pages
         self.state = idle._replace(target_pages=pages[0], draft_pages=pages[1])
-        self.draft_policy = AdaptiveDraftLength(self.draft_lengths, seconds)
-        logger.info("engine: adaptive draft length over %s; step ms by bucket: %s",
-                    self.draft_lengths, "; ".join(
-                        f"{b}: " + ", ".join(f"{seconds[b, s] * 1e3:.2f}"
-                                             for s in self.draft_lengths)
-                        for b in self.batch_buckets))
+        return seconds
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -622,7 +648,7 @@ class Engine:
         common prefix."""
         decoding = [slot for slot, r in enumerate(self._slots)
                     if r is not None and not r.in_prefill]
-        budget = max(self.config.max_num_batched_tokens - len(decoding) * self.step_tokens,
+        budget = max(self.config.max_num_batched_tokens - len(decoding) * self.verify_width,
                      self.prefill_buckets[0])
         carried = None
 
@@ -631,7 +657,7 @@ class Engine:
             if decoding and carried is None:
                 carried = req
                 batch = next(b for b in self.batch_buckets if b > max(decoding))
-                return budget - self._chunk_rows(batch) * self.step_tokens
+                return budget - self._chunk_rows(batch) * self.verify_width
             return self._prefill(req, budget, outputs)
 
         for req in sorted((r for r in self._slots if r is not None and r.in_prefill),
@@ -795,12 +821,12 @@ class Engine:
         chunk_rows, first_token_of = 0, None
         if carried is not None and carried.in_prefill and carried.slot >= 0:  # not preempted
             chunk_rows = self._chunk_rows(batch)
-            size = chunk_rows * self.step_tokens
+            size = chunk_rows * self.verify_width
             chunk = self._next_chunk(carried, size, size)
             args += (chunk,)
             if chunk.sample_next:
                 first_token_of = (carried, carried.preemptions)
-            length = self.num_steps  # the chunk's rows are num_steps + 1 wide
+            length = self.num_steps  # the chunk's rows are verify_width wide
         else:
             length = self.draft_policy.choose(batch)
         self._count_choice(batch, length, len(occupied))
@@ -880,10 +906,12 @@ class Engine:
             accept = out.accept_len[rows]
             self.draft_policy.observe(length, accept)
             s.num_drafts += len(rows)
-            s.num_draft_tokens += length * len(rows)
+            # A tree drafts its nodes; a chain its length.
+            drafted = self.verify_width - 1 if self.tree_topk > 1 else length
+            s.num_draft_tokens += drafted * len(rows)
             s.num_accepted_tokens += int(accept.sum())
-            # Position i drafted in every row of the step, accepted in every row whose
-            # accept length exceeds i.
+            # Position i (a tree's depth i + 1) drafted in every row of the step,
+            # accepted in every row whose accept length exceeds i.
             for i, count in enumerate(np.sum(accept[:, None] > np.arange(length),
                                              axis=0).tolist()):
                 s.accepted_per_pos[i] += count

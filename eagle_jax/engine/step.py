@@ -31,11 +31,13 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from eagle_jax.engine.draft_tree import build_draft_tree, num_expanded
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
 from eagle_jax.kernels.spec_sampler import SamplerOutput, speculative_sample
+from eagle_jax.kernels.tree_sampler import tree_speculative_sample
 from eagle_jax.models.draft_ops import draft_decode_step, draft_extend
-from eagle_jax.models.layers import KVCache, KVPages
+from eagle_jax.models.layers import KVCache, KVPages, TreeLayout
 from eagle_jax.sampling import MAX_LOGPROBS, SamplingRows
 
 Array = jax.Array
@@ -159,9 +161,11 @@ def _write_rows(x: Array, batch: int, new: Array) -> Array:
 
 
 def _forward_with_chunk(target, state: DecodeState, tokens: Array, positions: Array,
-                        chunk: PrefillChunk | None, aux_layers) -> tuple:
+                        chunk: PrefillChunk | None, aux_layers,
+                        tree: TreeLayout | None = None) -> tuple:
     """The target's forward over the step's rows [B, W], and the chunk's rows after them
-    when the step carries one (one read of the weights for both).
+    when the step carries one (one read of the weights for both). ``tree``: the rows
+    are draft trees (the chunk's rows then get the causal mask).
 
     Returns (the forward's output for the B rows: hidden, aux_hidden, logits; the
     chunk's hidden [1, C, H] and aux_hidden [1, C, F] or None; the updated pool)."""
@@ -173,8 +177,14 @@ def _forward_with_chunk(target, state: DecodeState, tokens: Array, positions: Ar
         positions = jnp.concatenate([positions, chunk_pos])
         table = jnp.concatenate([table, jnp.broadcast_to(
             chunk.page_row, (chunk_tokens.shape[0], table.shape[1]))])
+        if tree is not None:
+            causal = jnp.tril(jnp.ones((width, width), jnp.bool_))
+            tree = TreeLayout(
+                jnp.concatenate([tree.rope_positions, chunk_pos]),
+                jnp.concatenate([tree.block_mask, jnp.broadcast_to(
+                    causal, (chunk_tokens.shape[0], width, width))]))
     out = target(tokens, positions, KVCache(state.target_pages, table), aux_layers=aux_layers,
-                 compute_logits=False)
+                 compute_logits=False, tree=tree)
 
     def split(x):
         if x is None:
@@ -332,6 +342,97 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     )
     lp = (token_logprobs(target_logits, res.tokens, vocab_size) if with_logprobs
           else (None,) * 3)
+    prefill = None
+    if chunk is not None:
+        state, prefill = _finish_chunk(target, draft, state, chunk, chunk_hidden, chunk_aux,
+                                       vocab_size=vocab_size)
+    return state, StepOutput(res.tokens, n, jnp.where(active, accept, 0), res.num_malformed_q,
+                             res.num_fallback, *lp, prefill=prefill)
+
+
+def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: int,
+                   num_steps: int, topk: int, num_nodes: int, target_only: bool,
+                   vocab_size: int, with_logprobs: bool, chunk: PrefillChunk | None = None,
+                   ) -> tuple[DecodeState, StepOutput]:
+    """Draft a tree, verify its nodes in one forward, accept a path, move its KV, extend
+    the draft, commit (EAGLE-2 dynamic trees: ``draft_tree.py`` builds the tree,
+    ``tree_sampler.py`` verifies it).
+
+    The tree has ``num_nodes`` nodes below the root (the last committed token), at most
+    ``num_steps`` deep, ``topk`` children per expanded node. The target scores root and
+    nodes at consecutive pool positions seq_len .. seq_len + num_nodes, each rotated at
+    seq_len + its depth and attending to its ancestors only; after the verdict the
+    accepted nodes' keys and values move to positions seq_len + 1 .., the rest are left
+    as scratch above the sequence (never read: attention stops at seq_len). Sampling
+    rows are verified with the draft's real q (recursive rejection sampling), or with
+    SGLang's target-only rule when ``target_only``; greedy rows take the target's
+    argmax path. With ``chunk``, a prompt chunk rides in the verify forward in rows of
+    num_nodes + 1 positions, as in ``spec_step``.
+    """
+    S, K, N = num_steps, topk, num_nodes
+    state = apply_page_updates(state, page_updates)
+    if chunk is not None:
+        state = state._replace(page_table=state.page_table.at[chunk.slot].set(chunk.page_row))
+    seq_len, last, rows, keys, active = _rows(state, batch)
+    keys, sub = _split_keys(keys, 2)
+    expanded = num_expanded(K, S, N)
+    u_draw = _uniforms(sub[:, 0], expanded * K).reshape(batch, expanded, K)
+    u_accept = _uniforms(sub[:, 1], N + 2)
+
+    # 1. Draft the tree (its scratch KV above seq_len).
+    tree = build_draft_tree(
+        draft, state.draft_logits[:batch], state.draft_hidden[:batch], seq_len, active, rows,
+        u_draw, KVCache(state.draft_pages, state.page_table[:batch]), topk=K, num_steps=S,
+        num_nodes=N, real_q=not target_only, target_vocab_size=target.config.vocab_size,
+        vocab_size=None if draft.d2t is not None else vocab_size, pad_position=PAD_POSITION)
+
+    # 2. Verify the root and the N nodes in one forward with the tree mask.
+    verify_tokens = tree.tokens.at[:, 0].set(last)
+    verify_pos = jnp.where(active[:, None], seq_len[:, None] + jnp.arange(N + 1), PAD_POSITION)
+    layout = TreeLayout(seq_len[:, None] + tree.depth, tree.mask)
+    hidden, aux, target_logits, chunk_hidden, chunk_aux, target_pages = _forward_with_chunk(
+        target, state, verify_tokens, verify_pos, chunk, draft.feature_layers or (), layout)
+    features = aux if draft.feature_layers else hidden
+
+    # 3. Accept a path (Pallas tree sampler).
+    res = tree_speculative_sample(
+        verify_tokens, tree.parents, tree.draft_probs, tree.q_row,
+        sampling_probs(target_logits, rows, vocab_size), rows.is_greedy, u_accept, vocab_size,
+        active, max_depth=S, draft_probs_ok=tree.draft_probs_ok, target_only=target_only)
+    accept = res.accept_len
+    path = jnp.maximum(res.path, 0)  # [B, S + 1] node indices, root first
+    emitted = jnp.take_along_axis(res.tokens, accept[:, None], axis=1)[:, 0]
+    depth = jnp.arange(S + 1)[None]
+    on_path = active[:, None] & (depth <= accept[:, None])
+    path_pos = jnp.where(on_path, seq_len[:, None] + depth, PAD_POSITION)
+
+    # 4. The accepted nodes' target KV to positions seq_len + 1 .. seq_len + accept.
+    cache = KVCache(target_pages, state.page_table[:batch])
+    src = cache.slots(jnp.where(on_path, seq_len[:, None] + path, PAD_POSITION))
+    dst = cache.slots(jnp.where(depth > 0, path_pos, PAD_POSITION))
+    target_pages = target_pages.move(src, dst)
+
+    # 5. Draft extend over the committed path (overwriting the tree's scratch rows).
+    ext = draft_extend(draft, jnp.take_along_axis(verify_tokens, path, axis=1), emitted,
+                       accept + 1, jnp.take_along_axis(features, path[:, :, None], axis=1),
+                       path_pos, tree.draft_cache)
+
+    # 6. Commit.
+    n = jnp.where(active, accept + 1, 0)
+    keep = active[:, None]
+    state = state._replace(
+        target_pages=target_pages,
+        draft_pages=ext.cache.pages,
+        seq_len=_write_rows(state.seq_len, batch, seq_len + n),
+        last_token=_write_rows(state.last_token, batch, jnp.where(active, emitted, last)),
+        draft_hidden=_write_rows(state.draft_hidden, batch,
+                                 jnp.where(keep, ext.hidden, state.draft_hidden[:batch])),
+        draft_logits=_write_rows(state.draft_logits, batch,
+                                 jnp.where(keep, ext.logits, state.draft_logits[:batch])),
+        key=_write_rows(state.key, batch, jnp.where(active[:, None], keys, state.key[:batch])),
+    )
+    lp = (token_logprobs(jnp.take_along_axis(target_logits, path[:, :, None], axis=1),
+                         res.tokens, vocab_size) if with_logprobs else (None,) * 3)
     prefill = None
     if chunk is not None:
         state, prefill = _finish_chunk(target, draft, state, chunk, chunk_hidden, chunk_aux,

@@ -64,7 +64,9 @@ class SpecDecodeStats:
     ``num_drafts``: request-steps that drafted; ``num_draft_tokens``: tokens drafted;
     ``num_accepted_tokens``: draft tokens accepted; ``accepted_per_pos[i]``: draft tokens
     accepted at position i; ``drafted_per_pos[i]``: request-steps that drafted position
-    i (all of ``num_drafts`` unless the draft length varies). Mean accept length (tokens
+    i (all of ``num_drafts`` unless the draft length varies). For draft trees, a
+    request-step drafts the tree's nodes and position i is depth i + 1 of the accepted
+    path (acceptance per depth). Mean accept length (tokens
     committed per drafting request-step, the bonus token included) is
     ``1 + num_accepted_tokens / num_drafts``.
 

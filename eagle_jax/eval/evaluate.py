@@ -1,12 +1,21 @@
 """Offline batch evaluation of a target + draft pair (``scripts/evaluate.py``).
 
-For every setting of the sweep (``--num-steps`` x ``--temperature`` x
-``--draft-sample-method``) the dataset runs through ``LLM.generate`` in batches of
-``--batch-size`` prompts; the same prompts, seeds and temperatures also run through the
+For every setting of the sweep the dataset runs through ``LLM.generate`` in batches of
+``--batch-size`` prompts. The settings: chains (``--speculative-eagle-topk`` 1, the
+default) for each ``--num-steps`` x ``--draft-sample-method``; EAGLE-2 draft trees for
+each ``--speculative-eagle-topk`` K > 1 x ``--tree-num-steps`` (default: the
+``--num-steps`` list) x ``--num-draft-tokens`` x ``--tree-verify``; each of them at
+every ``--temperature``. The same prompts, seeds and temperatures also run through the
 target alone (speculative_algorithm NONE) for the speed-up and the greedy identity
 check. The per-request-step accept lengths come from the engine's own step outputs
 (``StepRecorder``, see ``eagle_jax.eval.recording``), and are checked against the
 engine's cumulative ``SpecDecodeStats`` (``stats_consistent`` in the report).
+
+A tree of depth S commits at most S + 1 tokens per step like a chain of S, so accept
+lengths and the acceptance per position (position d = depth d of the accepted path) are
+counted the same way for both; each run of the report names its setting (``topk``: K,
+1 for a chain; ``num_verify_tokens``: tokens verified per step, the root included, the
+engine's ``num_draft_tokens``, S + 1 for a chain; ``tree_verify``: None for a chain).
 
 Request i of the dataset gets ``SamplingParams(temperature=T, top_p=--top-p,
 seed=--seed + i, max_tokens=--max-tokens)`` in every run, so runs are reproducible and
@@ -66,6 +75,17 @@ def _method_list(s: str) -> list[str]:
     return vals
 
 
+def _verify_list(s: str) -> list[str]:
+    from eagle_jax.engine.config import TREE_VERIFY_METHODS
+
+    vals = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [v for v in vals if v not in TREE_VERIFY_METHODS]
+    if not vals or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {' / '.join(TREE_VERIFY_METHODS)}, got {s!r}")
+    return vals
+
+
 def _positive(s: str) -> int:
     v = int(s)
     if v < 1:
@@ -112,11 +132,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="temperatures, comma-separated sweep (default 0)")
     g.add_argument("--draft-sample-method", type=_method_list, default=["probabilistic"],
                    help="probabilistic (the engine's default) and/or greedy, "
-                        "comma-separated sweep")
+                        "comma-separated sweep; chains only: a tree draws its nodes as "
+                        "its --tree-verify rule needs (the draft's top K, or without "
+                        "replacement from q for recursive_rejection's sampled rows), so "
+                        "trees are not run once per method")
+    g.add_argument("--speculative-eagle-topk", type=_int_list, default=[1],
+                   help="K, comma-separated sweep (default 1): 1 runs chains (each "
+                        "--num-steps x --draft-sample-method), K > 1 EAGLE-2 dynamic trees "
+                        "with K children per expanded node (each --tree-num-steps x "
+                        "--num-draft-tokens x --tree-verify)")
+    g.add_argument("--tree-num-steps", type=_int_list, default=None,
+                   help="tree depths S, comma-separated sweep (default: the --num-steps "
+                        "list); lets one command compare chains of one S with trees of "
+                        "another")
+    g.add_argument("--num-draft-tokens", type=_int_list, default=None,
+                   help="trees: tokens verified per step, the root included (root + N - 1 "
+                        "drafted nodes), comma-separated sweep; default: the engine's (32, or "
+                        "1 + K + (S-1) K^2 if fewer). Chains always verify S + 1")
+    g.add_argument("--tree-verify", type=_verify_list, default=["recursive_rejection"],
+                   help="trees: recursive_rejection (the draft's real q; default) and/or "
+                        "target_only (SGLang's rule, the baseline), comma-separated sweep; "
+                        "greedy rows take the target's argmax path either way")
     g.add_argument("--speculative-policy", default="fixed", choices=("fixed", "adaptive"),
                    help="fixed (default: every step drafts S, the accept length of S is "
                         "measured) or adaptive (the engine picks each step's length; the "
-                        "report adds the lengths chosen and the policy's goodput forecast)")
+                        "report adds the lengths chosen and the policy's goodput forecast); "
+                        "chains only: trees always draft their fixed depth")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
     g.add_argument("--skip-baseline", action="store_true",
@@ -184,21 +225,78 @@ def _run(llm, recorder, examples, args, temperature: float, max_tokens: int,
                      metrics.stats_delta(dataclasses.asdict(engine.stats), before))
 
 
-def _make_llm(args, target, draft, algo, num_steps, method, tokenizer):
-    from eagle_jax.engine import LLM, Engine, EngineConfig
-    from eagle_jax.eval.recording import StepRecorder
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One speculative engine of the sweep (run at every temperature).
+
+    A chain: topk 1, num_draft_tokens None (S + 1), tree_verify None. A tree: topk K > 1,
+    num_draft_tokens N (None: the engine's default), tree_verify, method None."""
+
+    num_steps: int
+    method: str | None = "probabilistic"
+    topk: int = 1
+    num_draft_tokens: int | None = None
+    tree_verify: str | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
+
+    def label(self, temperature: float, adaptive: bool = False,
+              num_verify_tokens: int | None = None) -> str:
+        if self.is_tree:
+            n = self.num_draft_tokens if num_verify_tokens is None else num_verify_tokens
+            return (f"S={self.num_steps} K={self.topk} N={n} T={temperature:g} "
+                    f"{self.tree_verify}")
+        return (f"S={self.num_steps}{' adaptive' if adaptive else ''} T={temperature:g} "
+                f"{self.method}")
+
+
+def _settings(args) -> list[Setting]:
+    """The sweep's speculative settings, in the order of --speculative-eagle-topk."""
+    out = []
+    for topk in dict.fromkeys(args.speculative_eagle_topk):
+        if topk == 1:
+            out += [Setting(s, m) for s in dict.fromkeys(args.num_steps)
+                    for m in dict.fromkeys(args.draft_sample_method)]
+            continue
+        out += [Setting(s, None, topk, n, v)
+                for s in dict.fromkeys(args.tree_num_steps or args.num_steps)
+                for n in dict.fromkeys(args.num_draft_tokens or [None])
+                for v in dict.fromkeys(args.tree_verify)]
+    return out
+
+
+def _engine_config(args, target, draft, algo, setting: Setting):
+    """The EngineConfig of a setting (its checks run here: a wrong flag fails before any
+    run)."""
+    from eagle_jax.engine import EngineConfig
 
     kw = dict(model=target, draft_model=draft if algo != "NONE" else None,
-              speculative_algorithm=algo, num_steps=num_steps, draft_sample_method=method,
-              speculative_policy=args.speculative_policy, max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
+              speculative_algorithm=algo, num_steps=setting.num_steps,
+              max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
               dtype=args.dtype, seed=args.seed)
+    if setting.is_tree:
+        kw.update(speculative_eagle_topk=setting.topk,
+                  num_draft_tokens=setting.num_draft_tokens,
+                  tree_verify=setting.tree_verify, speculative_policy="fixed")
+    else:
+        kw.update(draft_sample_method=setting.method,
+                  speculative_policy=args.speculative_policy)
     if args.batch_buckets:
         kw["batch_buckets"] = tuple(args.batch_buckets)
     if args.prefill_buckets:
         kw["prefill_buckets"] = tuple(args.prefill_buckets)
     if args.compilation_cache_dir is not None:
         kw["compilation_cache_dir"] = args.compilation_cache_dir
-    engine = Engine(EngineConfig(**kw), tokenizer=tokenizer)
+    return EngineConfig(**kw)
+
+
+def _make_llm(config, tokenizer):
+    from eagle_jax.engine import LLM, Engine
+    from eagle_jax.eval.recording import StepRecorder
+
+    engine = Engine(config, tokenizer=tokenizer)
     return LLM(engine=engine), StepRecorder(engine)
 
 
@@ -261,10 +359,16 @@ def _summarise_baseline(run: RunResult, examples, temperature, tokenizer, vocab)
             "exact_match_text": _text_match(run.outputs, examples, tokenizer)}
 
 
-def _summarise_spec(run: RunResult, examples, setting, baseline: dict | None,
-                    baseline_run: RunResult | None, tokenizer, vocab: int) -> dict:
-    num_steps, temperature, method = setting
-    acc = metrics.accept_summary(run.records, num_steps)
+def _summarise_spec(run: RunResult, examples, setting: Setting, config, temperature: float,
+                    baseline: dict | None, baseline_run: RunResult | None, tokenizer,
+                    vocab: int) -> dict:
+    """One run's figures; ``config``: the setting's EngineConfig (its resolved
+    num_draft_tokens). A tree of depth S commits at most S + 1 tokens per step, as a
+    chain of S does: the accept figures count S positions (depths) either way."""
+    num_steps, method = setting.num_steps, setting.method
+    acc = metrics.accept_summary(
+        run.records, num_steps,
+        tree_nodes=config.num_draft_tokens - 1 if setting.topk > 1 else None)
     cnt = metrics.counters(run.records)
     d = run.stats_delta
     consistent = (d["num_drafts"] == acc["num_drafts"]
@@ -277,9 +381,10 @@ def _summarise_spec(run: RunResult, examples, setting, baseline: dict | None,
                   and d["num_sampler_fallbacks"] == cnt["num_sampler_fallbacks"])
     timing = _timing(run)
     adaptive = d["forecast_seconds"] > 0
-    out = {"label": f"S={num_steps}{' adaptive' if adaptive else ''} T={temperature:g} "
-                    f"{method}", "num_steps": num_steps,
-           "temperature": temperature, "draft_sample_method": method, **acc}
+    out = {"label": setting.label(temperature, adaptive, config.num_draft_tokens),
+           "num_steps": num_steps, "temperature": temperature, "draft_sample_method": method,
+           "topk": setting.topk, "num_verify_tokens": config.num_draft_tokens,
+           "tree_verify": setting.tree_verify, **acc}
     # The steps dispatched per draft length, and what the adaptive policy expected of
     # them (committed tokens per second of step time) against the realised rate.
     out["draft_length_steps"] = {str(s): n for s, n in enumerate(d["draft_length_steps"])}
@@ -356,20 +461,30 @@ def _fmt(v, spec=".2f", none="-"):
 
 
 def format_table(report: dict) -> str:
+    """The report as a text table. With a tree among the runs it gains the columns K
+    (topk), N (tokens verified per step, root included) and tree verify; a sweep of
+    chains alone prints as before."""
     lines = []
+    runs = report.get("runs") or []
+    trees = any(r.get("topk", 1) > 1 for r in runs)
     head = ("setting", "accept len", "acc@pos", "drafted", "accepted", "tok/s", "TPOT ms",
             "speed-up", "greedy ==", "invalid", "fallback", "EM")
+    if trees:
+        head = head[:1] + ("K", "N", "tree verify") + head[1:]
     rows = []
     for b in report.get("baseline") or []:
         em = b.get("exact_match")
-        rows.append((f"NONE T={b['temperature']:g}", "-", "-", "-", "-",
-                     _fmt(b["output_tokens_per_s"], ".1f"), _fmt(b["mean_tpot_ms"], ".2f"),
-                     "1.00", "-", str(b["num_invalid_tokens"] + b["num_stray_output_tokens"]),
-                     "-", "-" if em is None else f"{em['matched']}/{em['total']}"))
-    for r in report.get("runs") or []:
+        rows.append((f"NONE T={b['temperature']:g}",) + ("-",) * 3 * trees + (
+            "-", "-", "-", "-",
+            _fmt(b["output_tokens_per_s"], ".1f"), _fmt(b["mean_tpot_ms"], ".2f"),
+            "1.00", "-", str(b["num_invalid_tokens"] + b["num_stray_output_tokens"]),
+            "-", "-" if em is None else f"{em['matched']}/{em['total']}"))
+    for r in runs:
         gi, em = r["greedy_identical"], r["exact_match"]
-        rows.append((
-            r["label"], f"{r['mean_accept_length']:.2f}",
+        rows.append((r["label"],) + ((
+            str(r["topk"]), str(r["num_verify_tokens"]), r["tree_verify"] or "-")
+            if trees else ()) + (
+            f"{r['mean_accept_length']:.2f}",
             " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
             str(r["num_draft_tokens"]), str(r["num_accepted_tokens"]),
             _fmt(r["output_tokens_per_s"], ".1f"), _fmt(r["mean_tpot_ms"], ".2f"),
@@ -424,6 +539,9 @@ def evaluate(args) -> dict:
                             continuation_tokens=args.continuation_tokens,
                             windows_per_file=args.windows_per_file, limit=args.limit,
                             seed=args.seed, vocab_size=vocab)
+    # Every setting's EngineConfig first: a flag the engine refuses fails before any run.
+    plan = ([(st, _engine_config(args, target, draft, algo, st)) for st in _settings(args)]
+            if algo != "NONE" else [])
     room = args.max_model_len - max_tokens
     if room < 1:
         raise ValueError(f"--max-model-len {args.max_model_len} leaves no room for a prompt "
@@ -446,6 +564,10 @@ def evaluate(args) -> dict:
                    "top_p": args.top_p, "ignore_eos": args.ignore_eos,
                    "num_steps": args.num_steps, "temperature": args.temperature,
                    "draft_sample_method": args.draft_sample_method,
+                   "speculative_eagle_topk": args.speculative_eagle_topk,
+                   "tree_num_steps": args.tree_num_steps or args.num_steps,
+                   "num_draft_tokens": args.num_draft_tokens,
+                   "tree_verify": args.tree_verify,
                    "tokenizer_vocab_size": vocab},
         "dataset": {"path": args.dataset, "num_examples": len(examples),
                     "num_with_reference": sum(e.reference_ids is not None for e in examples),
@@ -458,7 +580,8 @@ def evaluate(args) -> dict:
     baseline, baseline_runs = {}, {}
     has_refs = any(e.reference_ids for e in examples)
     if not args.skip_baseline or algo == "NONE":
-        llm, recorder = _make_llm(args, target, None, "NONE", 1, "greedy", tokenizer)
+        llm, recorder = _make_llm(_engine_config(args, target, None, "NONE",
+                                                 Setting(1, "greedy")), tokenizer)
         _warm_up(llm, examples, max_tokens)
         for t in temps:
             run = _run(llm, recorder, examples, args, t, max_tokens, f"NONE T={t:g}")
@@ -470,23 +593,20 @@ def evaluate(args) -> dict:
                                                            args.max_model_len)
         del llm
         gc.collect()
-    if algo != "NONE":
-        for num_steps in list(dict.fromkeys(args.num_steps)):
-            for method in list(dict.fromkeys(args.draft_sample_method)):
-                llm, recorder = _make_llm(args, target, draft, algo, num_steps, method,
-                                          tokenizer)
-                _warm_up(llm, examples, max_tokens)
-                for t in temps:
-                    label = f"S={num_steps} T={t:g} {method}"
-                    run = _run(llm, recorder, examples, args, t, max_tokens, label)
-                    report["runs"].append(_summarise_spec(
-                        run, examples, (num_steps, t, method), baseline.get(t),
-                        baseline_runs.get(t), tokenizer, vocab))
-                if has_refs and report["reference_scores"] is None:
-                    report["reference_scores"] = _score_references(llm.engine, examples,
-                                                                   args.max_model_len)
-                del llm
-                gc.collect()
+    for setting, config in plan:
+        llm, recorder = _make_llm(config, tokenizer)
+        _warm_up(llm, examples, max_tokens)
+        for t in temps:
+            label = setting.label(t, num_verify_tokens=config.num_draft_tokens)
+            run = _run(llm, recorder, examples, args, t, max_tokens, label)
+            report["runs"].append(_summarise_spec(
+                run, examples, setting, config, t, baseline.get(t), baseline_runs.get(t),
+                tokenizer, vocab))
+        if has_refs and report["reference_scores"] is None:
+            report["reference_scores"] = _score_references(llm.engine, examples,
+                                                           args.max_model_len)
+        del llm
+        gc.collect()
     return report
 
 

@@ -10,6 +10,8 @@ Definitions (shared by ``evaluate.py`` and ``compare_replay.py``):
 * *acceptance at position i* (0-based): the share of the request-steps that drafted
   position i that accepted at least i + 1 draft tokens (``accepted_per_pos[i] /
   drafted_per_pos[i]``; every request-step drafts every position at a fixed length).
+  A draft tree of depth S counts as a chain of S: its request-steps draft positions
+  (depths) 0 .. S - 1 and accept the depth of the path the verifier took.
 * *TPOT* of a request: ``(finish time - first token time) / (output tokens - 1)``;
   requests with a single output token have none. The mean is over requests.
 * *token agreement* of two outputs of one request: the length of their common prefix
@@ -25,9 +27,11 @@ from typing import Iterable, Sequence
 from eagle_jax.eval.recording import StepRecord
 
 
-def accept_summary(records: Sequence[StepRecord], num_steps: int) -> dict:
+def accept_summary(records: Sequence[StepRecord], num_steps: int,
+                   tree_nodes: int | None = None) -> dict:
     """Accept-length figures of a set of request-steps of one speculative run (S =
-    ``num_steps``, the longest draft length)."""
+    ``num_steps``, the longest draft length; ``tree_nodes``: a draft tree's nodes, the
+    tokens each of its steps drafted)."""
     hist = [0] * (num_steps + 1)  # hist[k]: request-steps that committed k + 1 tokens
     per_pos = [0] * num_steps
     drafted = [0] * num_steps
@@ -39,7 +43,7 @@ def accept_summary(records: Sequence[StepRecord], num_steps: int) -> dict:
             continue
         a = r.accept_len
         drafts += 1
-        draft_tokens += r.draft_length
+        draft_tokens += r.draft_length if tree_nodes is None else tree_nodes
         hist[min(a, num_steps)] += 1
         accepted += a
         for i in range(r.draft_length):

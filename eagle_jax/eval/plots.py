@@ -39,7 +39,7 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
     for r in runs:
         acc = r["acceptance_per_position"]
         ax.plot(range(1, len(acc) + 1), acc, marker="o", label=r["label"])
-    ax.set_xlabel("draft position")
+    ax.set_xlabel("draft position (a tree: depth of the accepted path)")
     ax.set_ylabel("acceptance (share of request-steps)")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance per draft position")

@@ -86,8 +86,8 @@ Kernel design. One pallas_call (Triton path), grid (B,): one program per row wal
 tree, so rows never wait on each other and only the nodes on the accepted path touch
 the vocabulary. The tree's O(N) metadata (tokens, parents, q rows, coins) sits in
 registers as power-of-two vectors; the vocabulary is streamed in BLOCK-wide masked
-loads (BLOCK = 1024 float32 columns, 8 per thread at 4 warps; the next power of two
-above a small vocabulary), and only for: p_c's mass and argmax at each node on the path
+loads (BLOCK = 8192 float32 columns at 16 warps on NVIDIA, 2048 at 8 on AMD:
+``_block_config``; the next power of two above a small vocabulary), and only for: p_c's mass and argmax at each node on the path
 (one pass), each tested child's q' normaliser (one pass over its q row), the residual
 mass after each rejection (one pass, rebuilding the residual blockwise from the
 rejected siblings' slots: token, q row, normaliser, mass), and the final inverse-CDF
@@ -518,12 +518,36 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
   plgpu.store(stats_ref.at[b, field], jnp.where(active, stats, 0).astype(jnp.int32))
 
 
+def _block_config(vocab_size: int, gpu: _common.GpuTarget) -> tuple[int, int]:
+  """(BLOCK, num_warps). One program walks a row's tree pass after pass over the
+  vocabulary, each load waiting on the previous block's arithmetic: the pass is
+  latency-bound, so the widest load that stays in registers wins.
+
+  NVIDIA: 8192 float32 columns at 16 warps (16 per thread). On an H200 a 32-node tree
+  over a 128256-wide vocabulary took 0.70 ms at batch 1 against 1.1-1.6 ms with
+  1024-4096 columns at 4-8 warps (docs/BENCHMARKS.md); pipeline stages made no
+  difference (the loop has no dot for Triton to pipeline).
+  AMD: 2048 columns at 8 waves (4 per lane of a 64-wide wavefront). The kernel's nested
+  loops carry many uniform values, and on CDNA wider blocks add per-column compare masks
+  (64-bit SGPR pairs): SGPR spills grow with the width (gfx950, real q: 2 at 1024 x 8,
+  10 at 2048 x 8, 43 at 8192 x 16; docs/ROCM.md). They go to VGPR lanes, not memory; this
+  width halves the passes of 1024 for a few of them. Not measured on AMD hardware.
+  Smaller for a small vocabulary (>= 4 columns per thread)."""
+  if gpu.platform == "rocm":
+    block = min(2048, _common.next_power_of_2(vocab_size))
+    return block, min(8, max(4, block // 256))
+  block = min(8192, _common.next_power_of_2(vocab_size))
+  return block, min(16, max(4, block // 512))
+
+
 def _tree_sample_pallas(flags, tok, par, q_row, u, p, q, q_ok, *, vocab_size, max_depth,
-                        interpret, block_v=None):
+                        interpret, target=None, block_v=None, num_warps=None):
   batch, num_nodes = tok.shape
-  block = block_v or min(1024, _common.next_power_of_2(vocab_size))
+  default_block, default_warps = _block_config(vocab_size, _common.resolve_target(target))
+  block = block_v or default_block
   if block & (block - 1):
     raise ValueError(f"block {block} must be a power of two")
+  num_warps = num_warps or default_warps
   has_q = q is not None
   operands = (flags, tok, par, q_row, u, p) + ((q, q_ok) if has_q else ())
   tokens, path, stats = pl.pallas_call(
@@ -538,7 +562,7 @@ def _tree_sample_pallas(flags, tok, par, q_row, u, p, q, q_ok, *, vocab_size, ma
           jax.ShapeDtypeStruct((batch, 4), jnp.int32),
       ),
       grid=(batch,),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="tree_sampler",
   )(*operands)
@@ -590,7 +614,8 @@ def tree_speculative_sample_reference(
 def tree_speculative_sample(
     node_tokens, parents, draft_probs, q_row, target_probs, greedy, uniforms, vocab_size: int,
     active=None, *, max_depth: int, draft_probs_ok=None, target_only: bool = False,
-    interpret: bool | None = None, block_v: int | None = None) -> TreeSamplerOutput:
+    interpret: bool | None = None, target: str | None = None, block_v: int | None = None,
+    num_warps: int | None = None) -> TreeSamplerOutput:
   """Verify a draft tree per row against the target (see the module docstring).
 
   Args:
@@ -611,7 +636,9 @@ def tree_speculative_sample(
     draft_probs_ok: [B, E] bool verdicts of the proposal's row check, or None.
     target_only: SGLang's target-only rule (q' one-hot on the candidate).
     interpret: None = automatic (interpret on CPU); False forces the Triton path.
-    block_v: override the vocabulary load width (a power of two; tests, tuning).
+    target: the GPU to pick the load width for (a key of ``_common.GPU_TARGETS``);
+      None = automatic (``_common.resolve_target``).
+    block_v, num_warps: override the heuristic (a power of two width; tests, tuning).
   Returns:
     TreeSamplerOutput with tokens, path [B, D+1] and per-row counters [B].
   """
@@ -649,4 +676,5 @@ def tree_speculative_sample(
             else jnp.asarray(draft_probs_ok).astype(jnp.int32))
   return _tree_sample_pallas(
       flags, node_tokens, parents, q_row, uniforms, p, q, q_ok, vocab_size=vocab_size,
-      max_depth=max_depth, interpret=_common.resolve_interpret(interpret), block_v=block_v)
+      max_depth=max_depth, interpret=_common.resolve_interpret(interpret), target=target,
+      block_v=block_v, num_warps=num_warps)

@@ -29,6 +29,7 @@ from eagle_jax.models.layers import (
     KVPages,
     Linear,
     RMSNorm,
+    TreeLayout,
     rope_inv_freq,
 )
 
@@ -108,26 +109,31 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: Array, positions: Array, cache: KVCache | None, *,
                  logit_rows: Array | None = None, aux_layers: Sequence[int] = (),
-                 compute_logits: bool = True) -> DecoderOutput:
+                 compute_logits: bool = True, tree: TreeLayout | None = None
+                 ) -> DecoderOutput:
         """tokens, positions: [B, T] int32; logit_rows: [B, R] indices into T or None;
         cache: the pool and the batch rows' page tables, or None (causal attention over
         the tokens given, no cache: training, scoring).
 
         With a cache, each row's valid tokens are a prefix of its T at consecutive
         positions ending the sequence; padding positions (>= the page table's
-        capacity) are dropped.
+        capacity) are dropped. ``tree`` (a draft tree's verify): the tokens rotate at
+        ``tree.rope_positions`` and attend through ``tree.block_mask``, while
+        ``positions`` say where their keys and values go.
         """
         cfg = self.config
         if any(not 0 <= i < cfg.num_layers for i in aux_layers):
             raise ValueError(f"aux_layers {tuple(aux_layers)} outside [0, {cfg.num_layers})")
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         x = self.embed_tokens(tokens)
-        batch = None if cache is None else cache.attention_batch(positions)
+        batch = None if cache is None else cache.attention_batch(
+            positions, None if tree is None else tree.block_mask)
+        rope_positions = positions if tree is None else tree.rope_positions
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 captured[i] = x
-            x, cache = layer(x, positions, cache, i, inv_freq, batch)
+            x, cache = layer(x, rope_positions, cache, i, inv_freq, batch)
         hidden = self.norm(x)
         logits = None
         if compute_logits:

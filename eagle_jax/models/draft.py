@@ -55,6 +55,7 @@ from eagle_jax.models.layers import (
     KVPages,
     Linear,
     RMSNorm,
+    TreeLayout,
     rms_norm,
     rope_inv_freq,
 )
@@ -168,11 +169,14 @@ class _DraftBase(nnx.Module):
                                   dtype or self.dtype)
 
     def __call__(self, tokens: Array, hidden: Array, positions: Array,
-                 cache: KVCache) -> tuple[Array, KVCache]:
+                 cache: KVCache, tree: TreeLayout | None = None) -> tuple[Array, KVCache]:
         """tokens [B, T] i32, hidden [B, T, H] (already projected), positions [B, T] (each
         row's valid tokens a prefix at consecutive positions; padding past the page
-        table's capacity) -> (hidden_out [B, T, H], cache)."""
-        attend = _cache_attend(positions, self.inv_freq, cache.attention_batch(positions))
+        table's capacity) -> (hidden_out [B, T, H], cache). ``tree``: a draft tree
+        level's RoPE positions and mask (``positions`` are then its scratch slots)."""
+        batch = cache.attention_batch(positions, None if tree is None else tree.block_mask)
+        attend = _cache_attend(positions if tree is None else tree.rope_positions,
+                               self.inv_freq, batch)
         return self.forward(tokens, hidden, attend, cache)
 
     def forward(self, tokens: Array, hidden: Array, attend: Attend, carry: Any):

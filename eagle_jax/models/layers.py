@@ -181,6 +181,19 @@ class KVPages(NamedTuple):
         replace = lambda pools, new: pools[:layer] + (put(pools[layer], new),) + pools[layer + 1:]
         return KVPages(replace(self.k, k), replace(self.v, v))
 
+    def move(self, src: Array, dst: Array) -> "KVPages":
+        """Copies every layer's pool rows ``src`` [B, T] to rows ``dst`` [B, T] (a draft
+        tree's accepted path to consecutive positions). All rows are read before any is
+        written, so a destination may be another pair's source; a ``dst`` past the pool
+        (padding) is dropped."""
+        ps = self.page_size
+        src = jnp.clip(src, 0, self.num_pages * ps - 1)
+
+        def moved(pool):
+            return pool.at[dst // ps, dst % ps].set(pool[src // ps, src % ps], mode="drop")
+
+        return KVPages(tuple(moved(x) for x in self.k), tuple(moved(x) for x in self.v))
+
 
 class AttentionBatch(NamedTuple):
     """Where a forward's tokens go in the pool, computed once per forward (all layers).
@@ -188,11 +201,24 @@ class AttentionBatch(NamedTuple):
     Row b's valid tokens are a prefix of its T tokens at consecutive positions ending
     the sequence (decode: 1 token, verify: S + 1, a prefill chunk, a draft window), the
     layout the paged attention kernel takes: query t sits at kv_len - q_len + t.
+
+    ``block_mask`` (a draft tree) replaces causality over the last M keys: query t sees
+    key kv_len - q_len - (M - T) + u iff block_mask[b, t, u] (``paged_attention``).
     """
 
     slots: Array  # [B, T] i32 pool row of each token; num_pages * page_size = padding
     kv_len: Array  # [B] i32 live keys, the new tokens included
     q_len: Array  # [B] i32 valid tokens
+    block_mask: Array | None = None  # [B, T, M >= T] bool, or None = causal
+
+
+class TreeLayout(NamedTuple):
+    """How a forward over draft-tree nodes departs from a plain window: the nodes sit
+    in consecutive pool positions (the ``positions`` the forward is given) but rotate at
+    their depth in the tree, and each attends to its ancestors only."""
+
+    rope_positions: Array  # [B, T] i32 seq_len + depth
+    block_mask: Array  # [B, T, M >= T] bool (``AttentionBatch.block_mask``)
 
 
 class KVCache(NamedTuple):
@@ -220,16 +246,26 @@ class KVCache(NamedTuple):
         """Positions one row's page table can address."""
         return self.page_table.shape[1] * self.pages.page_size
 
-    def attention_batch(self, positions: Array) -> AttentionBatch:
-        """positions [B, T] (padding >= capacity) -> the pool rows and lengths."""
+    def slots(self, positions: Array) -> Array:
+        """positions [B, T] -> pool rows [B, T] i32; padding (>= capacity) -> the row
+        just past the pool, whose writes are dropped."""
         ps = self.pages.page_size
         valid = (positions >= 0) & (positions < self.capacity)
         pos = jnp.where(valid, positions, 0)
         page = jnp.take_along_axis(self.page_table, pos // ps, axis=1)
-        slots = jnp.where(valid, page * ps + pos % ps, self.pages.num_pages * ps)
+        return jnp.where(valid, page * ps + pos % ps, self.pages.num_pages * ps)
+
+    def attention_batch(self, positions: Array, block_mask: Array | None = None
+                        ) -> AttentionBatch:
+        """positions [B, T] (padding >= capacity) -> the pool rows and lengths;
+        ``block_mask`` [B, T, M] (a draft tree's) travels with them."""
+        valid = (positions >= 0) & (positions < self.capacity)
+        pos = jnp.where(valid, positions, 0)
+        slots = self.slots(positions)
         q_len = jnp.sum(valid, axis=1).astype(jnp.int32)
         kv_len = jnp.where(q_len > 0, jnp.max(jnp.where(valid, pos, -1), axis=1) + 1, 0)
-        return AttentionBatch(slots.astype(jnp.int32), kv_len.astype(jnp.int32), q_len)
+        return AttentionBatch(slots.astype(jnp.int32), kv_len.astype(jnp.int32), q_len,
+                              block_mask)
 
 
 def causal_attention(q: Array, k: Array, v: Array) -> Array:
@@ -273,11 +309,12 @@ class Attention(nnx.Module):
     def __call__(self, x: Array, positions: Array, cache: KVCache | None, layer: int,
                  inv_freq: Array, batch: AttentionBatch | None = None
                  ) -> tuple[Array, KVCache | None]:
-        """x: [B, T, in]; positions: [B, T].
+        """x: [B, T, in]; positions: [B, T] the RoPE positions.
 
         With a cache, the new keys and values go into the pool (``batch``: where, from
-        ``cache.attention_batch(positions)``) and the queries attend over each row's
-        pages through the paged attention kernel. Without one (training, scoring), the
+        ``cache.attention_batch(cache positions)``; a draft tree's nodes sit in
+        consecutive pool positions but rotate at their depth) and the queries attend over
+        each row's pages through the paged attention kernel. Without one (training, scoring), the
         block attends causally to itself. Returns ([B, T, hidden], the updated cache).
         """
         bsz, t, _ = x.shape
@@ -288,7 +325,7 @@ class Attention(nnx.Module):
             pages = cache.pages.write(layer, k, v, batch.slots)
             cache = cache._replace(pages=pages)
             out = paged_attention(q, pages.k[layer], pages.v[layer], cache.page_table,
-                                  batch.kv_len, batch.q_len)
+                                  batch.kv_len, batch.q_len, block_mask=batch.block_mask)
         return self.o_proj(out.reshape(bsz, t, -1)), cache
 
     def qkv(self, x: Array, positions: Array, inv_freq: Array) -> tuple[Array, Array, Array]:

@@ -66,7 +66,7 @@ class ServerMetrics:
         )
         self.spec_accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.",
+            "Accepted tokens per draft position (for a draft tree, depth - 1).",
             m + ["position"],
             registry=r,
         )
