@@ -39,11 +39,12 @@ How candidates are drawn and chosen depends on how the row is verified
   level l keeps its top ``level_widths[l]`` candidates, every kept node's first child
   before any later sibling (the first child's inclusion depends only on its parent's),
   then by ``sel``; every kept node is expanded. So a sampled path that reaches a kept
-  node finds children there, as a chain's does. A level's ranking only compares candidates whose scores were
-  fixed by draws at earlier levels and earlier siblings, so every inclusion decision is
-  made before the tokens it could peek at are drawn. What this costs against EAGLE-2's
-  rerank in accept length is measured in docs/BENCHMARKS.md (the target-only column
-  uses EAGLE-2's rule).
+  node finds children there, as a chain's does. A level's ranking only compares
+  candidates whose scores were fixed by draws at earlier levels and earlier siblings, so
+  every inclusion decision is made before the tokens it could peek at are drawn.
+  ``tests/test_draft_tree.py`` checks the first two committed tokens against the target
+  (and that EAGLE-2's rerank of these rows fails the same test); docs/BENCHMARKS.md has
+  the accept lengths (greedy rows keep EAGLE-2's rule).
 """
 
 from __future__ import annotations
