@@ -6,8 +6,6 @@ plain engines share the target, so greedy outputs must agree token for token.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 import pytest

@@ -1,7 +1,6 @@
 """Speculative verify sampler: kernel vs reference, greedy path, statistics, guards."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
