@@ -13,7 +13,9 @@ q). The speed-up estimate of a configuration is its temperature-0 accept length 
 committed per step, ``--accept-lengths``: measured on the default pair by
 ``scripts/evaluate.py``, docs/BENCHMARKS.md) times plain's greedy step time over its own.
 The table gives ms per step, the ratio to the chain's step, and the estimate where an
-accept length is known; the best configuration per batch size is marked.
+accept length is known; the best configuration per batch size is marked. Beside plain
+decoding, its physical bound: one read of the weights and of every row's live KV per
+step, over the device-to-device copy bandwidth measured in the same run.
 
     python scripts/bench_tree.py [--batch-sizes 1,8,32] [--trees 4x6x32,8x6x64]
         [--accept-lengths chain=4.23,4x6x32=5.3] [--json PATH] [--small]
@@ -30,13 +32,15 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
+from eagle_jax.engine.draft_tree import scratch_positions  # noqa: E402
 
 from bench_engine import LLAMA_8B, SMALL, random_eagle3, random_target  # noqa: E402
-from benchtools import device_ms_per_op, print_profile  # noqa: E402
+from benchtools import copy_bandwidth, device_ms_per_op, print_profile  # noqa: E402
 
 
 def _tree(spec: str) -> tuple[int, int, int]:
@@ -68,9 +72,17 @@ def main(argv=None):
     dtype = jnp.bfloat16
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"{datetime.date.today()}", flush=True)
+    bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)
     target = random_target(shape, dtype)
+    weight_bytes = sum(v.size * v.dtype.itemsize for _, v in nnx.iter_graph(target)
+                       if isinstance(v, nnx.Param))
+    kv_bytes = (2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"]
+                * jnp.dtype(dtype).itemsize)  # per live token
+    # Plain decoding's bound: one read of the weights and of every row's live KV a step.
+    bound_ms = {b: 1e3 * (weight_bytes + b * args.context * kv_bytes) / bw for b in batches}
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
-    span = max([args.chain_steps + 1] + [max(n, (s - 1) * k) for k, s, n in trees])
+    span = max([args.chain_steps + 1] + [max(n, scratch_positions(k, s, n - 1))
+                                         for k, s, n in trees])
     common = dict(model="random", dtype="bfloat16",
                   max_model_len=args.context + (args.repeats + 4) * span + 64,
                   max_num_seqs=max(batches), batch_buckets=tuple(batches),
@@ -112,9 +124,10 @@ def main(argv=None):
           f"and greedy; the ratio to the chain (S={args.chain_steps}) in the same mode; "
           "speed-up estimate = accept length x plain ms / ms (greedy steps, T = 0 accept "
           "lengths)\n")
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; plain's bound: weights + live KV over it")
     print("| batch | config | ms T=1 | vs chain | ms T=0 | vs chain | accept length T=0 | "
-          "est. speed-up T=0 |")
-    print("|---|---|---|---|---|---|---|---|")
+          "est. speed-up T=0 | plain: bound ms (of T=0) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, f: "-" if v is None else format(v, f)
     for b in batches:
         cells = []
@@ -125,15 +138,18 @@ def main(argv=None):
                               vs_chain_sampled=t1 / ms["chain", b, "sampled"],
                               vs_chain_greedy=t0 / ms["chain", b, "greedy"],
                               accept_length=acc, speedup_estimate=None if acc is None
-                              else acc * ms["plain", b, "greedy"] / t0))
+                              else acc * ms["plain", b, "greedy"] / t0,
+                              plain_bound_ms=bound_ms[b] if name == "plain" else None))
         known = [c for c in cells if c["speedup_estimate"] is not None]
         best = max(known, key=lambda c: c["speedup_estimate"])["config"] if known else None
         for c in cells:
             mark = " (best)" if c["config"] == best else ""
+            pb = c["plain_bound_ms"]
+            bound = "-" if pb is None else f"{pb:.2f} ({pb / c['ms_greedy']:.0%})"
             print(f"| {b} | {c['config']}{mark} | {c['ms_sampled']:.2f} | "
                   f"{c['vs_chain_sampled']:.2f} | {c['ms_greedy']:.2f} | "
                   f"{c['vs_chain_greedy']:.2f} | {fmt(c['accept_length'], '.2f')} | "
-                  f"{fmt(c['speedup_estimate'], '.2f')} |")
+                  f"{fmt(c['speedup_estimate'], '.2f')} | {bound} |")
         rows += cells
     if args.json:
         with open(args.json, "w") as f:

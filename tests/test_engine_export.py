@@ -36,13 +36,19 @@ def engine(checkpoints):
     return _engine(checkpoints)
 
 
-@pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
-def test_spec_step_exports_with_triton_kernels(engine, platform, target):
+def _export_step(engine, platform, target):
+    """The bucket-4 step exported for ``platform`` with the kernels compiled for
+    ``target``."""
     with compiled_kernels(target=target):
-        exported = jax.export.export(
+        return jax.export.export(
             jax.jit(engine.step_function(4), donate_argnums=(2,)), platforms=[platform],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
         )(*engine.step_inputs())
+
+
+@pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
+def test_spec_step_exports_with_triton_kernels(engine, platform, target):
+    exported = _export_step(engine, platform, target)
     text = exported.mlir_module()
     # proposal x S (3), sampler (2 calls), fused norm-concat (S-1 draft steps + extend),
     # gathered LM head (extend): every kernel of the step is a Triton call.
@@ -54,12 +60,7 @@ def test_spec_step_exports_with_triton_kernels(engine, platform, target):
 @pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
 def test_tree_step_exports_with_triton_kernels(checkpoints, platform, target):
     engine = _engine(checkpoints, speculative_eagle_topk=4, num_draft_tokens=16)
-    with compiled_kernels(target=target):
-        exported = jax.export.export(
-            jax.jit(engine.step_function(4), donate_argnums=(2,)), platforms=[platform],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
-        )(*engine.step_inputs())
-    text = exported.mlir_module()
+    text = _export_step(engine, platform, target).mlir_module()
     # Paged attention (draft levels 2..S, verify, extend), fused norm-concat (each draft
     # forward), tree mask, tree sampler, gathered LM head (extend).
     calls = text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}")

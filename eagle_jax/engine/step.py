@@ -325,6 +325,21 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
                        draft_cache)
 
     # 5. Commit.
+    lp = (token_logprobs(target_logits, res.tokens, vocab_size) if with_logprobs
+          else (None,) * 3)
+    return _commit(target, draft, state, batch, res, emitted, keys, target_pages, ext, lp,
+                   chunk, chunk_hidden, chunk_aux, vocab_size=vocab_size)
+
+
+def _commit(target, draft, state: DecodeState, batch: int, res, emitted: Array, keys: Array,
+            target_pages: KVPages, ext, lp: tuple, chunk: PrefillChunk | None,
+            chunk_hidden: Array | None, chunk_aux: Array | None, *, vocab_size: int
+            ) -> tuple[DecodeState, StepOutput]:
+    """A speculative step's end (chain or tree): the rows' accept_len + 1 tokens (the
+    emitted one last) committed, the draft's state after its extend ``ext`` kept, the
+    chunk the step carried finished; the step's output."""
+    seq_len, last, _, _, active = _rows(state, batch)
+    accept = res.accept_len
     n = jnp.where(active, accept + 1, 0)
     keep = active[:, None]
     state = state._replace(
@@ -340,8 +355,6 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
         # this step, or prefilled alone) samples the same stream either way.
         key=_write_rows(state.key, batch, jnp.where(active[:, None], keys, state.key[:batch])),
     )
-    lp = (token_logprobs(target_logits, res.tokens, vocab_size) if with_logprobs
-          else (None,) * 3)
     prefill = None
     if chunk is not None:
         state, prefill = _finish_chunk(target, draft, state, chunk, chunk_hidden, chunk_aux,
@@ -418,27 +431,10 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
                        path_pos, tree.draft_cache)
 
     # 6. Commit.
-    n = jnp.where(active, accept + 1, 0)
-    keep = active[:, None]
-    state = state._replace(
-        target_pages=target_pages,
-        draft_pages=ext.cache.pages,
-        seq_len=_write_rows(state.seq_len, batch, seq_len + n),
-        last_token=_write_rows(state.last_token, batch, jnp.where(active, emitted, last)),
-        draft_hidden=_write_rows(state.draft_hidden, batch,
-                                 jnp.where(keep, ext.hidden, state.draft_hidden[:batch])),
-        draft_logits=_write_rows(state.draft_logits, batch,
-                                 jnp.where(keep, ext.logits, state.draft_logits[:batch])),
-        key=_write_rows(state.key, batch, jnp.where(active[:, None], keys, state.key[:batch])),
-    )
     lp = (token_logprobs(jnp.take_along_axis(target_logits, path[:, :, None], axis=1),
                          res.tokens, vocab_size) if with_logprobs else (None,) * 3)
-    prefill = None
-    if chunk is not None:
-        state, prefill = _finish_chunk(target, draft, state, chunk, chunk_hidden, chunk_aux,
-                                       vocab_size=vocab_size)
-    return state, StepOutput(res.tokens, n, jnp.where(active, accept, 0), res.num_malformed_q,
-                             res.num_fallback, *lp, prefill=prefill)
+    return _commit(target, draft, state, batch, res, emitted, keys, target_pages, ext, lp,
+                   chunk, chunk_hidden, chunk_aux, vocab_size=vocab_size)
 
 
 def _target_token(logits: Array, rows: SamplingRows, u: Array, vocab_size: int,
