@@ -307,3 +307,8 @@ def test_logprobs_of_committed_tokens(models, engines):
         row = ref[len(prompt) - 1 + j]
         assert abs(lp.logprob - float(row[toks[j]])) < 1e-4
         assert list(lp.top) == [int(i) for i in np.argsort(-row)[:3]]
+
+
+def test_draft_probs_hook_with_a_tree_is_refused(models):
+    with pytest.raises(ValueError, match="no effect on a tree"):
+        _new_engine(models, "EAGLE3", hook=lambda q: q, **TREE)

@@ -205,6 +205,9 @@ class Engine:
         if self.tokenizer is not None:
             self.eos_ids |= set(getattr(self.tokenizer, "eos_token_ids", ()))
         self._rng = np.random.default_rng(config.seed)
+        if draft_probs_hook is not None and self.tree_topk > 1:
+            raise ValueError("draft_probs_hook rewrites a chain's draft probabilities; it has "
+                             "no effect on a tree (speculative_eagle_topk > 1): drop one")
         self._draft_probs_hook = draft_probs_hook
         self._waiting: collections.deque[_Request] = collections.deque()
         self._requests: dict[str, _Request] = {}
