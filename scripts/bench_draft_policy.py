@@ -4,7 +4,9 @@ The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3-shaped draft of bench_engine
 (random weights), with synthetic acceptance a (each draft token accepted with
 probability a). One speculative engine compiles every (batch bucket, draft length)
 step once; a is a device value it reads (``Engine.set_synthetic_acceptance``) and each
-cell swaps the policy: ``FixedDraftLength(s)`` for every compiled length s >= 1, and a
+cell swaps the policy: ``FixedDraftLength(s)`` for every compiled length s (0: the
+target's step alone in the speculative engine, the draft catching up every
+``MAX_DRAFT_LAG`` steps; beside plain decoding it shows what keeping a draft costs), and a
 fresh ``AdaptiveDraftLength`` over the step times the engine measured at start-up (so
 every adaptive cell pays its own learning from the prior). Plain decoding is a separate
 engine without a draft. Each cell decodes ``batch`` requests of ``--new-tokens`` tokens,
@@ -18,7 +20,7 @@ policy's tok/s, the lengths it chose (share of steps), and adaptive / best of th
 and of the live KV entries (the mean live length while decoding) per step, over the
 device-to-device copy bandwidth measured in the same run. ``--plot`` draws tok/s against batch, one panel per a.
 
-    python scripts/bench_draft_policy.py [--acceptance 0.5,0.7,0.85]
+    python scripts/bench_draft_policy.py [--acceptance 0.5,0.7,0.85] [--repeats 3]
         [--batch-sizes 1,8,32,64,128] [--json PATH] [--plot PATH] [--small]
 """
 
@@ -56,6 +58,9 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--cell-tokens", type=int, default=4096,
                     help="tokens decoded per cell at least (batch x new tokens)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measurements of each configuration per cell, interleaved (the "
+                         "median is reported)")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     ap.add_argument("--json", default=None)
@@ -95,27 +100,36 @@ def main(argv=None):
     decode_rate(plain, max(batches), args.prompt_len, 8, seed=1)  # warm-up
     decode_rate(spec, max(batches), args.prompt_len, 8, seed=1)
 
-    plain_rate = {b: decode_rate(plain, b, args.prompt_len, new_tokens(b), seed=2)[0]
-                  for b in batches}
+    plain_rate = {b: float(np.median([
+        decode_rate(plain, b, args.prompt_len, new_tokens(b), seed=2 + r)[0]
+        for r in range(args.repeats)])) for b in batches}
     # Plain decoding's bound: one read of the weights and of the live KV per step.
     bound = {b: b * bw / (weight_bytes + b * (args.prompt_len + new_tokens(b) / 2) * kv_bytes)
              for b in batches}
-    fixed = [s for s in lengths if s]
+    fixed = list(lengths)
     rows = []
     for a in rates:
         spec.set_synthetic_acceptance(a)
         for b in batches:
             row = dict(acceptance=a, batch=b, plain_tok_s=plain_rate[b],
                        plain_bound=bound[b])  # tok/s
-            for s in fixed:
-                spec.draft_policy = FixedDraftLength(s)
-                row[f"fixed{s}_tok_s"] = decode_rate(spec, b, args.prompt_len,
-                                                     new_tokens(b), seed=2)[0]
-            spec.draft_policy = AdaptiveDraftLength(lengths, step_seconds)
-            before = list(spec.stats.draft_length_steps)
-            row["adaptive_tok_s"] = decode_rate(spec, b, args.prompt_len, new_tokens(b),
-                                                seed=2)[0]
-            steps = np.subtract(spec.stats.draft_length_steps, before)
+            # Each repetition runs every policy once, in a rotated order, on its own seed:
+            # a cell's configurations see the same drift of the device.
+            names = [f"fixed{s}" for s in fixed] + ["adaptive"]
+            measured = {name: [] for name in names}
+            steps = np.zeros(len(spec.stats.draft_length_steps), np.int64)
+            for r in range(args.repeats):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    spec.draft_policy = (AdaptiveDraftLength(lengths, step_seconds)
+                                         if name == "adaptive"
+                                         else FixedDraftLength(int(name[len("fixed"):])))
+                    before = list(spec.stats.draft_length_steps)
+                    measured[name].append(decode_rate(spec, b, args.prompt_len,
+                                                      new_tokens(b), seed=2 + r)[0])
+                    if name == "adaptive":
+                        steps += np.subtract(spec.stats.draft_length_steps, before)
+            for name in names:
+                row[f"{name}_tok_s"] = float(np.median(measured[name]))
             row["adaptive_lengths"] = {str(s): int(steps[s]) for s in lengths if steps[s]}
             best_name, best = max(((k, v) for k, v in row.items()
                                    if k.endswith("_tok_s") and k != "adaptive_tok_s"),
@@ -127,7 +141,7 @@ def main(argv=None):
 
     print(f"\nsynthetic acceptance per token, S <= {max(lengths)}, prompt {args.prompt_len}, "
           f"max({args.new_tokens}, {args.cell_tokens} / batch) new tokens, greedy; tok/s "
-          "(decode)\n")
+          f"(decode; the median of {args.repeats} interleaved runs)\n")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
           f"KV {kv_bytes / 1024:.0f} KiB per live token\n")
     head = (["a", "batch", "plain", "plain / bound"] + [f"fixed {s}" for s in fixed]
@@ -150,7 +164,7 @@ def main(argv=None):
                            kv_bytes_per_token=kv_bytes,
                            step_seconds={f"{b},{s}": v for (b, s), v in step_seconds.items()},
                            prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                           cell_tokens=args.cell_tokens,
+                           cell_tokens=args.cell_tokens, repeats=args.repeats,
                            rows=rows), f, indent=2)
     if args.plot:
         import matplotlib

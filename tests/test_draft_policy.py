@@ -3,12 +3,14 @@ switching lengths between steps without changing its output."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength, expected_tokens
+from eagle_jax.engine.step import MAX_DRAFT_LAG
 
 from .test_engine import BASE, _prompts, _run, models  # noqa: F401  (fixture)
 
@@ -170,6 +172,72 @@ def test_greedy_output_is_the_targets_across_length_switches(models, reference, 
     assert counted[:3] == chosen[:3].tolist() and counted[3] >= chosen[3]
     assert sum(s.accepted_per_pos) == s.num_accepted_tokens
     assert s.drafted_per_pos[0] >= s.drafted_per_pos[-1] > 0
+
+
+def test_greedy_output_is_the_targets_when_the_draft_falls_behind(reference, eagle3):
+    """Mostly steps of length 0, which leave the draft behind: the draft catches up
+    before each step that drafts and whenever a row would fall more than MAX_DRAFT_LAG
+    positions behind; the output is the target's, token for token."""
+    engine = eagle3[0]
+    schedule = _schedule(seed=13)
+    want = _run(reference, schedule)
+    before = engine.stats.num_draft_catch_ups
+    engine.draft_policy = ScriptedLengths((0,) * 8 + (1, 3), seed=5)
+    assert _run(engine, schedule) == want
+    chosen = engine.draft_policy.chosen
+    assert engine.stats.num_draft_catch_ups > before
+    # Some run of length-0 steps was long enough to force a catch-up.
+    runs = "".join("0" if s == 0 else "x" for s in chosen).split("x")
+    assert max(map(len, runs)) > MAX_DRAFT_LAG
+
+
+def _draft_rows(state, slot, positions):
+    """The draft's pool at a slot's positions: per layer (k, v) [len(positions), K, D]."""
+    pages = state.page_table[slot, positions // state.draft_pages.page_size]
+    offsets = positions % state.draft_pages.page_size
+    return [(k[pages, offsets], v[pages, offsets])
+            for k, v in zip(state.draft_pages.k, state.draft_pages.v)]
+
+
+def test_caught_up_draft_equals_a_prefill_of_the_same_tokens(models, eagle3):
+    """A request decodes with steps of length 0 only, until a row's lag forces the
+    draft's catch-up: the draft's state then (its hidden and logits at the last caught-up
+    position, its pool over every position up to it) equals what a prefill of the same
+    tokens computes in an engine of its own, so the draft proposes after skipped steps
+    exactly what it would have proposed had it run each of them."""
+    engine = eagle3[0]
+    engine.draft_policy = ScriptedLengths((0,), seed=0)
+    prompt = _prompts(1, seed=21, lo=12, hi=13)[0]
+    engine.add_request("behind", prompt, SamplingParams(temperature=0.0, max_tokens=30,
+                                                        ignore_eos=True))
+    before, snapshot, out = engine.stats.num_draft_catch_ups, None, []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+        if snapshot is None and engine.stats.num_draft_catch_ups > before:
+            snapshot = jax.device_get(engine.state)
+    slot = 0
+    caught_up = int(snapshot.seq_len[slot] - snapshot.draft_lag[slot])
+    assert caught_up > len(prompt) + MAX_DRAFT_LAG - 1
+    tokens = prompt + out
+
+    ref = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
+                              speculative_algorithm="EAGLE3", enable_prefix_caching=False,
+                              precompile=False, **BASE))
+    ref.add_request("prefill", tokens[:caught_up], SamplingParams(temperature=0.0,
+                                                                  max_tokens=1))
+    first = [t for o in ref.step() for t in o.new_token_ids]
+    assert first == [tokens[caught_up]]  # the target's greedy token, the draft's next input
+    want = jax.device_get(ref.state)
+    np.testing.assert_allclose(snapshot.draft_hidden[slot], want.draft_hidden[0],
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(snapshot.draft_logits[slot], want.draft_logits[0],
+                               rtol=1e-4, atol=1e-4)
+    positions = np.arange(caught_up)
+    for (k, v), (k_want, v_want) in zip(_draft_rows(snapshot, slot, positions),
+                                        _draft_rows(want, 0, positions)):
+        np.testing.assert_allclose(k, k_want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(v, v_want, rtol=1e-4, atol=1e-4)
 
 
 def test_adaptive_policy_serves_the_targets_greedy_output(reference, eagle3):

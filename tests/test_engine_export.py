@@ -36,12 +36,12 @@ def engine(checkpoints):
     return _engine(checkpoints)
 
 
-def _export_step(engine, platform, target):
-    """The bucket-4 step exported for ``platform`` with the kernels compiled for
-    ``target``."""
+def _export_step(engine, platform, target, **kw):
+    """The bucket-4 step (``step_function`` keywords ``kw``) exported for ``platform``
+    with the kernels compiled for ``target``."""
     with compiled_kernels(target=target):
         return jax.export.export(
-            jax.jit(engine.step_function(4), donate_argnums=(2,)), platforms=[platform],
+            jax.jit(engine.step_function(4, **kw), donate_argnums=(2,)), platforms=[platform],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
         )(*engine.step_inputs())
 
@@ -66,4 +66,30 @@ def test_tree_step_exports_with_triton_kernels(checkpoints, platform, target):
     calls = text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}")
     assert calls >= 2 + 1 + 3 + 1 + 1 + 1, calls
     for name in ("tree_mask", "tree_sampler"):
+        assert name in text, name
+
+
+@pytest.fixture(scope="module")
+def adaptive_engine(checkpoints):
+    return _engine(checkpoints, speculative_policy="adaptive", draft_lengths=(0, 3))
+
+
+@pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
+def test_length_zero_step_and_draft_catch_up_export(adaptive_engine, platform, target):
+    """The adaptive policy's step of draft length 0 (the target alone) and the draft's
+    catch-up over the positions it skipped."""
+    engine = adaptive_engine
+    text = _export_step(engine, platform, target, draft_length=0).mlir_module()
+    # The target's paged attention; no draft kernel.
+    assert "paged_attention" in text
+    assert "rmsnorm_concat" not in text and "draft_proposal" not in text
+    with compiled_kernels(target=target):
+        exported = jax.export.export(
+            jax.jit(engine.catch_up_function(4), donate_argnums=(1,)), platforms=[platform],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
+        )(engine.step_inputs()[1], engine.state)
+    text = exported.mlir_module()
+    # Fused norm-concat, paged attention and the gathered LM head of the draft's extend.
+    assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") >= 3
+    for name in ("rmsnorm_concat", "paged_attention", "gathered_lm_head"):
         assert name in text, name

@@ -29,9 +29,14 @@ chosen length are not observed, so every ``probe_every`` steps that chose less t
 longest length run the next longer one: a draft whose acceptance recovers is found again, at the cost of one step
 in ``probe_every`` at a length one notch off.
 
-Any length keeps the engine's state consistent (every step extends the draft over the
-tokens it commits), so switching between steps changes speed, never output: greedy
-output is the target's at every length.
+Any length keeps the engine's state consistent, so switching between steps changes
+speed, never output: greedy output is the target's at every length. A step that drafts
+s >= 1 extends the draft over the tokens it commits; a step of length 0 is the target's
+step alone (the draft does no work, so that length 0 costs what plain decoding does),
+and the draft catches up over the positions it skipped, in one forward, before the next
+step that drafts or after ``step.MAX_DRAFT_LAG`` such steps in a row. The start-up time
+of length 0 includes its share of that catch-up; while serving, a catch-up's time falls
+in the measured cycle of the step after it.
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ class _Request:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (first admission)
     page_keys: list = dataclasses.field(default_factory=list)  # of its full pages' tokens
     in_flight: int = 0  # steps dispatched for it whose tokens are not collected yet
+    draft_lag: int = 0  # steps of draft length 0 dispatched since its draft caught up
     preemptions: int = 0  # also tags in-flight steps: a preempted request's are dropped
     admitted: int = 0  # admission order (the newest running request is preempted first)
     seed: int | None = None  # drawn at the first admission, kept across preemptions
@@ -315,6 +316,12 @@ class Engine:
             hidden = self.draft.project(jnp.zeros((1, self._feature_width()), self.dtype))
             draft_hidden = jnp.zeros((n, hidden.shape[-1]), self.dtype)
             draft_logits = jnp.zeros((n, self.draft.draft_vocab_size), jnp.float32)
+        lag = {}
+        if self.draft is not None and 0 in self.draft_lengths:
+            lag = dict(draft_lag=jnp.zeros((n,), jnp.int32),
+                       lag_tokens=jnp.zeros((n, step_lib.MAX_DRAFT_LAG), jnp.int32),
+                       lag_features=jnp.zeros((n, step_lib.MAX_DRAFT_LAG,
+                                               self._feature_width()), self.dtype))
         return step_lib.DecodeState(
             target_pages=target_pages, draft_pages=draft_pages,
             page_table=jnp.zeros((n, self.max_pages), jnp.int32),
@@ -323,7 +330,8 @@ class Engine:
             sampling=SamplingRows(*map(jnp.asarray, SamplingRows.padded(n))),
             key=jnp.zeros((n, 2), jnp.uint32), active=jnp.zeros((n,), bool),
             synthetic_acceptance=(None if self.config.synthetic_acceptance is None
-                                  else jnp.float32(self.config.synthetic_acceptance)))
+                                  else jnp.float32(self.config.synthetic_acceptance)),
+            **lag)
 
     def set_synthetic_acceptance(self, rate: float) -> None:
         """Benchmarks: the acceptance of an engine built with ``synthetic_acceptance``,
@@ -397,6 +405,22 @@ class Engine:
 
         return run
 
+    def _catch_up_fn(self, batch: int):
+        """The catch-up executable of a batch bucket, compiled on first use."""
+        return self._executable(("catch_up", batch), self.catch_up_function(batch),
+                                (self._draft_params, self.state), (1,))
+
+    def catch_up_function(self, batch: int) -> Callable:
+        """The pure catch-up of a batch bucket's draft over the positions steps of draft
+        length 0 skipped (``step.catch_up_draft``): ``(draft_params, state) -> state``,
+        compiled with ``state`` donated."""
+        dg = self._draft_graph
+
+        def run(draft_params, state):
+            return step_lib.catch_up_draft(_merge(dg, draft_params), state, batch=batch)
+
+        return run
+
     def _chunk_spec(self, size: int) -> step_lib.PrefillChunk:
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         flag = jax.ShapeDtypeStruct((), jnp.bool_)
@@ -444,6 +468,8 @@ class Engine:
             for b in self.batch_buckets for s in self.draft_lengths] + [
             lambda b=b: self._step_fn(b, with_logprobs, self._chunk_rows(b))
             for b in self.batch_buckets]
+        if self.state.draft_lag is not None:
+            jobs += [lambda b=b: self._catch_up_fn(b) for b in self.batch_buckets]
         workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_COMPILE_THREADS))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             done = concurrent.futures.as_completed([pool.submit(job) for job in jobs])
@@ -476,7 +502,9 @@ class Engine:
         is put back afterwards. Steps are dispatched back to back, as while serving, and
         the device time per step is taken (the context grows by at most a step's tokens
         per call); the policy then follows the measured cycles while serving (their
-        context and the host's work between steps)."""
+        context and the host's work between steps). Length 0's time includes its share
+        of the draft's catch-up, which runs at least once every MAX_DRAFT_LAG such
+        steps."""
         if any(r is not None for r in self._slots) or self._in_flight is not None:
             raise RuntimeError("draft lengths are timed while no request holds a slot")
         context = max(1, min(context, self.max_model_len // 2))
@@ -508,9 +536,27 @@ class Engine:
                     self.state, out = fn(*args, self.state, updates)
                 jax.block_until_ready(out)
             seconds[bucket, length] = (time.perf_counter() - t0) / repeats
+            if length == 0 and self.state.draft_lag is not None:
+                # Its share of a whole lag's catch-up of every live row.
+                seconds[bucket, length] += self._time_catch_up(bucket, live, repeats) / (
+                    step_lib.MAX_DRAFT_LAG)
         pages = self.state.target_pages, self.state.draft_pages
         self.state = idle._replace(target_pages=pages[0], draft_pages=pages[1])
         return seconds
+
+    def _time_catch_up(self, bucket: int, live: np.ndarray, repeats: int) -> float:
+        """Seconds of the bucket's draft catch-up with every ``live`` row MAX_DRAFT_LAG
+        positions behind (``time_steps``' rows, after its steps)."""
+        catch_up = self._catch_up_fn(bucket)
+        lag = jnp.asarray(np.where(live, step_lib.MAX_DRAFT_LAG, 0).astype(np.int32))
+        for calls in (1, repeats):  # the first call warms the executable up
+            jax.block_until_ready(self.state.draft_lag)
+            t0 = time.perf_counter()
+            for _ in range(calls):  # (the catch-up donates the lag it is given)
+                self.state = catch_up(self._draft_params,
+                                      self.state._replace(draft_lag=jnp.copy(lag)))
+            jax.block_until_ready(self.state.draft_hidden)
+        return (time.perf_counter() - t0) / repeats
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -761,12 +807,15 @@ class Engine:
     def _register_pages(self, req: _Request) -> None:
         """Offers the request's full, final pages to the prefix cache (host work only
         when it completed a page: a step's bookkeeping stays O(batch), not O(tokens))."""
-        full = min(req.seq_len, len(req.prompt) + len(req.output) - 1) // self.page_size
+        # Positions the draft lags behind are not final yet (their draft rows are not in
+        # the pool): a request that finishes behind keeps those pages out of the cache.
+        computed = req.seq_len - req.draft_lag
+        full = min(computed, len(req.prompt) + len(req.output) - 1) // self.page_size
         if not self.config.enable_prefix_caching or full <= self.page_allocator.num_registered(
                 req.slot):
             return
         tokens = self._known_tokens(req)
-        self.page_allocator.register(req.slot, self._page_keys(req, tokens), tokens, req.seq_len)
+        self.page_allocator.register(req.slot, self._page_keys(req, tokens), tokens, computed)
 
     def _reserve_step_pages(self, occupied: dict[int, _Request]) -> None:
         """Gives every running request the pages the next step may write: positions up
@@ -795,7 +844,7 @@ class Engine:
         self.page_allocator.free(req.slot)
         self._slots[req.slot] = None
         self.state = self._release_fn()(self.state, np.int32(req.slot))
-        req.slot, req.in_flight, req.in_prefill = -1, 0, False
+        req.slot, req.in_flight, req.in_prefill, req.draft_lag = -1, 0, False, 0
         req.preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(req)
@@ -819,27 +868,42 @@ class Engine:
             return None
         batch = next(b for b in self.batch_buckets if b > max(occupied))
         with_logprobs = any(r.params.logprobs is not None for r in occupied.values())
+        carries = carried is not None and carried.in_prefill and carried.slot >= 0
+        # A step carrying a chunk drafts num_steps (the chunk's rows are verify_width wide).
+        length = self.num_steps if carries else self.draft_policy.choose(batch)
+        self._catch_up_draft(batch, occupied, length)
         args = (self._target_params, self._draft_params, self.state,
                 self._page_updates(self.page_allocator.take_updates()))
         chunk_rows, first_token_of = 0, None
-        if carried is not None and carried.in_prefill and carried.slot >= 0:  # not preempted
+        if carries:  # (not preempted)
             chunk_rows = self._chunk_rows(batch)
             size = chunk_rows * self.verify_width
             chunk = self._next_chunk(carried, size, size)
             args += (chunk,)
             if chunk.sample_next:
                 first_token_of = (carried, carried.preemptions)
-            length = self.num_steps  # the chunk's rows are verify_width wide
-        else:
-            length = self.draft_policy.choose(batch)
         self._count_choice(batch, length, len(occupied))
         self.state, out = self._step_fn(batch, with_logprobs, chunk_rows, length)(*args)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
+        behind = length == 0 and self.state.draft_lag is not None  # (a draft to leave)
         for req in occupied.values():
             req.in_flight += 1
+            req.draft_lag += behind
         return (out, {slot: (req, req.preemptions) for slot, req in occupied.items()},
                 first_token_of, (batch, length, bool(chunk_rows)))
+
+    def _catch_up_draft(self, batch: int, occupied: dict[int, _Request], length: int) -> None:
+        """Before a step that drafts, or a step of length 0 that would put a row's draft
+        more than MAX_DRAFT_LAG positions behind: the draft's catch-up over the
+        positions steps of length 0 skipped (dispatched, so it runs before the step)."""
+        lags = [r.draft_lag for r in occupied.values()]
+        if not any(lags) or (length == 0 and max(lags) < step_lib.MAX_DRAFT_LAG):
+            return
+        self.state = self._catch_up_fn(batch)(self._draft_params, self.state)
+        self.stats.num_draft_catch_ups += 1
+        for req in occupied.values():
+            req.draft_lag = 0
 
     def _count_choice(self, batch: int, length: int, rows: int) -> None:
         """Counts a dispatched step's draft length and the adaptive policy's forecast:

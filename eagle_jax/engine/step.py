@@ -8,10 +8,13 @@ State layout (one row per slot, ``B_max`` rows; a step for bucket B works on row
 [0, B)): ``seq_len[b]`` tokens of request b are in the target's KV pool (positions
 0 .. seq_len-1, in the pages ``page_table[b]`` lists); ``last_token[b]`` is the newest
 committed token, at position seq_len, not yet in the pool. The draft has consumed every
-committed token: its pool holds positions 0 .. seq_len-1 in the same pages (row j took
-token j+1 with the target's feature of position j), ``draft_hidden[b]`` is its output at
-the last of those rows and ``draft_logits[b]`` the LM-head projection of that row, from
-which the next step's first draft token comes.
+committed token but the last ``draft_lag[b]``: its pool holds positions 0 .. seq_len -
+draft_lag - 1 in the same pages (row j took token j+1 with the target's feature of
+position j), ``draft_hidden[b]`` is its output at the last of those rows and
+``draft_logits[b]`` the LM-head projection of that row, from which the next step's first
+draft token comes. A step of draft length 0 (the target's step alone) leaves the draft
+behind by the position it commits, keeping that position's token and feature;
+``catch_up_draft`` extends the draft over them before the next step that drafts.
 
 The host's page allocator gives pages out between steps; each step and prefill first
 applies the page-table entries the host assigned since the last one (``page_updates``),
@@ -45,6 +48,10 @@ Array = jax.Array
 # Position given to padding tokens: past any page table, so their KV writes are dropped.
 PAD_POSITION = 1 << 30
 
+# Positions the draft may fall behind (steps of draft length 0 in a row): the host
+# catches it up (``catch_up_draft``) before a row's lag would pass this.
+MAX_DRAFT_LAG = 8
+
 
 class DecodeState(NamedTuple):
     """Per-slot device buffers. Shapes: [B_max] unless noted; H = draft hidden size."""
@@ -62,6 +69,11 @@ class DecodeState(NamedTuple):
     # Benchmarks only: [] f32, accept each draft token with this probability instead of
     # by the sampler's verdict (a value, so one compiled step serves every rate).
     synthetic_acceptance: Array | None = None
+    # With draft length 0 among the step's variants: the committed positions the draft
+    # has not consumed, the last draft_lag[b] below seq_len (module docstring).
+    draft_lag: Array | None = None  # [B_max] i32, at most MAX_DRAFT_LAG
+    lag_tokens: Array | None = None  # [B_max, MAX_DRAFT_LAG] i32 the tokens there
+    lag_features: Array | None = None  # [B_max, MAX_DRAFT_LAG, F] the target's features
 
 
 class PrefillOutput(NamedTuple):
@@ -237,9 +249,11 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
               ) -> tuple[DecodeState, StepOutput]:
     """Propose S draft tokens, verify S + 1 positions, accept, extend the draft, commit.
 
-    S = 0 is the target's step with the draft kept current: the target's forward over
-    last_token, its token sampled, and the draft's one-row extend over it, so a later
-    step may draft again (the adaptive policy switches lengths between steps).
+    S = 0 is the target's step alone (the adaptive policy's choice where drafting does
+    not pay): the target's forward over last_token and its token sampled; the draft
+    does no work, the position joins the draft's lag (its token and the target's
+    feature kept), and ``catch_up_draft`` extends the draft over the lag before a later
+    step drafts again. The host runs it before a row's lag would pass MAX_DRAFT_LAG.
 
     With ``chunk``, a prompt chunk of another request rides in the verify forward (its
     tokens as extra rows of S + 1), then gets its draft extend and, on its last chunk,
@@ -319,10 +333,13 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     # 4. Draft extend over the verified window's committed tokens (last_token and the
     # accepted drafts, at seq_len .. seq_len + accept; the emitted token follows them).
     # Rows past the accepted prefix are padding; only row `accept` goes through the LM
-    # head (000).
-    ext_pos = jnp.where(window[None] <= accept[:, None], verify_pos, PAD_POSITION)
-    ext = draft_extend(draft, verify_tokens, emitted, accept + 1, features, ext_pos,
-                       draft_cache)
+    # head (000). A step that drafted nothing leaves it to catch_up_draft.
+    if S == 0:
+        state, ext = _append_lag(state, batch, last, features[:, 0], active), None
+    else:
+        ext_pos = jnp.where(window[None] <= accept[:, None], verify_pos, PAD_POSITION)
+        ext = draft_extend(draft, verify_tokens, emitted, accept + 1, features, ext_pos,
+                           draft_cache)
 
     # 5. Commit.
     lp = (token_logprobs(target_logits, res.tokens, vocab_size) if with_logprobs
@@ -336,25 +353,22 @@ def _commit(target, draft, state: DecodeState, batch: int, res, emitted: Array, 
             chunk_hidden: Array | None, chunk_aux: Array | None, *, vocab_size: int
             ) -> tuple[DecodeState, StepOutput]:
     """A speculative step's end (chain or tree): the rows' accept_len + 1 tokens (the
-    emitted one last) committed, the draft's state after its extend ``ext`` kept, the
-    chunk the step carried finished; the step's output."""
+    emitted one last) committed, the draft's state after its extend ``ext`` kept (None:
+    the step left the draft behind), the chunk the step carried finished; the step's
+    output."""
     seq_len, last, _, _, active = _rows(state, batch)
     accept = res.accept_len
     n = jnp.where(active, accept + 1, 0)
-    keep = active[:, None]
     state = state._replace(
         target_pages=target_pages,
-        draft_pages=ext.cache.pages,
         seq_len=_write_rows(state.seq_len, batch, seq_len + n),
         last_token=_write_rows(state.last_token, batch, jnp.where(active, emitted, last)),
-        draft_hidden=_write_rows(state.draft_hidden, batch,
-                                 jnp.where(keep, ext.hidden, state.draft_hidden[:batch])),
-        draft_logits=_write_rows(state.draft_logits, batch,
-                                 jnp.where(keep, ext.logits, state.draft_logits[:batch])),
         # An inactive row's key is not consumed: a slot in prefill (its chunk carried by
         # this step, or prefilled alone) samples the same stream either way.
         key=_write_rows(state.key, batch, jnp.where(active[:, None], keys, state.key[:batch])),
     )
+    if ext is not None:
+        state = _keep_draft(state, batch, ext, active)
     prefill = None
     if chunk is not None:
         state, prefill = _finish_chunk(target, draft, state, chunk, chunk_hidden, chunk_aux,
@@ -435,6 +449,56 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
                          res.tokens, vocab_size) if with_logprobs else (None,) * 3)
     return _commit(target, draft, state, batch, res, emitted, keys, target_pages, ext, lp,
                    chunk, chunk_hidden, chunk_aux, vocab_size=vocab_size)
+
+
+def _keep_draft(state: DecodeState, batch: int, ext, rows: Array) -> DecodeState:
+    """The draft's pool after the extend ``ext``, and its hidden and logits in ``rows``
+    [B] (the others keep theirs)."""
+    keep = rows[:, None]
+    return state._replace(
+        draft_pages=ext.cache.pages,
+        draft_hidden=_write_rows(state.draft_hidden, batch,
+                                 jnp.where(keep, ext.hidden, state.draft_hidden[:batch])),
+        draft_logits=_write_rows(state.draft_logits, batch,
+                                 jnp.where(keep, ext.logits, state.draft_logits[:batch])))
+
+
+def _append_lag(state: DecodeState, batch: int, tokens: Array, features: Array,
+                active: Array) -> DecodeState:
+    """The active rows' draft falls one position further behind: tokens [B] (at
+    seq_len) and features [B, F] (the target's there) join their lag."""
+    if state.draft_lag is None:
+        raise ValueError("a step of draft length 0 needs the draft's lag buffers: build the "
+                         "state with 0 among the draft lengths")
+    lag = state.draft_lag[:batch]
+    r = jnp.arange(batch)
+    i = jnp.minimum(lag, MAX_DRAFT_LAG - 1)  # the host keeps lag below MAX_DRAFT_LAG here
+    return state._replace(
+        lag_tokens=state.lag_tokens.at[r, i].set(
+            jnp.where(active, tokens, state.lag_tokens[r, i])),
+        lag_features=state.lag_features.at[r, i].set(
+            jnp.where(active[:, None], features, state.lag_features[r, i]).astype(
+                state.lag_features.dtype)),
+        draft_lag=_write_rows(state.draft_lag, batch, lag + active))
+
+
+def catch_up_draft(draft, state: DecodeState, *, batch: int) -> DecodeState:
+    """Extends the draft over the positions that steps of draft length 0 left it behind
+    by (the last ``draft_lag[b]`` below seq_len, at most MAX_DRAFT_LAG): one forward over
+    their kept tokens and target features, the rows the steps' own extends would have
+    run (row j takes token j + 1, the last row last_token), the LM head on each row's
+    last. Rows not behind keep their draft state; every lag of the bucket is 0 after."""
+    seq_len, last, _, _, active = _rows(state, batch)
+    lag = state.draft_lag[:batch]
+    behind = active & (lag > 0)
+    j = jnp.arange(MAX_DRAFT_LAG)[None]
+    positions = jnp.where(behind[:, None] & (j < lag[:, None]), (seq_len - lag)[:, None] + j,
+                          PAD_POSITION)
+    ext = draft_extend(draft, state.lag_tokens[:batch], last, jnp.maximum(lag, 1),
+                       state.lag_features[:batch], positions,
+                       KVCache(state.draft_pages, state.page_table[:batch]))
+    state = _keep_draft(state, batch, ext, behind)
+    return state._replace(draft_lag=_write_rows(state.draft_lag, batch, jnp.zeros_like(lag)))
 
 
 def _target_token(logits: Array, rows: SamplingRows, u: Array, vocab_size: int,
@@ -531,6 +595,7 @@ def assign_slot(state: DecodeState, slot: Array, sampling: SamplingRows,
         key=state.key.at[slot].set(key),
         active=state.active.at[slot].set(False),
         seq_len=state.seq_len.at[slot].set(0),
+        draft_lag=None if state.draft_lag is None else state.draft_lag.at[slot].set(0),
     )
 
 

@@ -74,6 +74,8 @@ class SpecDecodeStats:
     step alone). ``forecast_tokens`` / ``forecast_seconds``: what the adaptive policy
     expected of the steps it chose (committed tokens, device seconds); their ratio is
     its goodput estimate, to hold against the realised tokens per second.
+    ``num_draft_catch_ups``: extends of the draft over the positions steps of length 0
+    left it behind by (before the next step that drafts).
     """
 
     num_steps: int = 0
@@ -89,6 +91,7 @@ class SpecDecodeStats:
     draft_length_steps: list[int] = dataclasses.field(default_factory=list)
     forecast_tokens: float = 0.0
     forecast_seconds: float = 0.0
+    num_draft_catch_ups: int = 0
 
     @property
     def mean_accept_length(self) -> float:
