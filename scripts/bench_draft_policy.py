@@ -128,6 +128,13 @@ def main(argv=None):
                                                       new_tokens(b), seed=2 + r)[0])
                     if name == "adaptive":
                         steps += np.subtract(spec.stats.draft_length_steps, before)
+                        # What the policy had learnt by the end of the cell (the last
+                        # repetition's): its step times and acceptance estimate.
+                        policy = spec.draft_policy
+                        row["adaptive_step_ms"] = {
+                            str(s): round(policy.step_seconds[b, s] * 1e3, 3) for s in lengths}
+                        row["adaptive_acceptance"] = [round(float(x), 3)
+                                                      for x in policy.acceptance]
             for name in names:
                 row[f"{name}_tok_s"] = float(np.median(measured[name]))
             row["adaptive_lengths"] = {str(s): int(steps[s]) for s in lengths if steps[s]}

@@ -135,7 +135,6 @@ def main():
         f = jax.jit(lambda l, tk=tk, tp=tp: sampling_probs(l, SamplingRows(
             0.7 * ones, jnp.full((B,), tk, jnp.int32), jnp.full((B,), tp, jnp.float32),
             0 * ones), vocab))
-        sort_ref = None
         row(f"sampling_probs XLA ({label}; candidates {'minor' if minor else 'major'})",
             f"[{B}x{S + 1}, {V}] f32", tb(f, logits), float("nan"), logits.nbytes * 2,
             "(info)", None)

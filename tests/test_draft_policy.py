@@ -12,7 +12,7 @@ from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength, expected_tokens
 from eagle_jax.engine.step import MAX_DRAFT_LAG
 
-from .test_engine import BASE, _prompts, _run, models  # noqa: F401  (fixture)
+from .test_engine import BASE, _prompts, _run
 
 LENGTHS = (0, 1, 2, 3)
 

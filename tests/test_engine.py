@@ -20,25 +20,6 @@ BASE = dict(dtype="float32", max_model_len=96, max_num_seqs=4, batch_buckets=(4,
 TREE = dict(speculative_eagle_topk=3, num_draft_tokens=12)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny Llama target with a test tokenizer of 300 tokens (embedding width 320, as a
-    padded vocabulary), and EAGLE-1 / EAGLE-3 drafts for it."""
-    from eagle_jax.testutil.drafts import write_tiny_eagle1_draft, write_tiny_eagle3_draft
-    from eagle_jax.testutil.models import write_tiny_target
-    from eagle_jax.testutil.tokenizer import write_test_tokenizer
-
-    root = tmp_path_factory.mktemp("engine")
-    target = write_tiny_target(str(root / "target"), "llama", vocab_size=320, num_layers=4,
-                               eos_token_id=2, init_std=0.15)
-    write_test_tokenizer(target, vocab_size=300)
-    return dict(
-        target=target,
-        eagle3=write_tiny_eagle3_draft(str(root / "eagle3"), target, draft_vocab_size=200),
-        eagle1=write_tiny_eagle1_draft(str(root / "eagle1"), target),
-    )
-
-
 def _new_engine(models, algo="EAGLE3", hook=None, **kw):
     draft = None if algo == "NONE" else models["eagle3" if algo == "EAGLE3" else "eagle1"]
     return Engine(EngineConfig(model=models["target"], draft_model=draft,
