@@ -11,6 +11,7 @@ from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength, expected_tokens
 from eagle_jax.engine.step import MAX_DRAFT_LAG
+from eagle_jax.models.layers import KVCache
 
 from .test_engine import BASE, _prompts, _run
 
@@ -193,9 +194,8 @@ def test_greedy_output_is_the_targets_when_the_draft_falls_behind(reference, eag
 
 def _draft_rows(state, slot, positions):
     """The draft's pool at a slot's positions: per layer (k, v) [len(positions), K, D]."""
-    pages = state.page_table[slot, positions // state.draft_pages.page_size]
-    offsets = positions % state.draft_pages.page_size
-    return [(k[pages, offsets], v[pages, offsets])
+    rows = KVCache(state.draft_pages, state.page_table[slot][None]).slots(positions[None])[0]
+    return [(k.reshape(-1, *k.shape[2:])[rows], v.reshape(-1, *v.shape[2:])[rows])
             for k, v in zip(state.draft_pages.k, state.draft_pages.v)]
 
 

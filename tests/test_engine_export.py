@@ -36,14 +36,20 @@ def engine(checkpoints):
     return _engine(checkpoints)
 
 
-def _export_step(engine, platform, target, **kw):
-    """The bucket-4 step (``step_function`` keywords ``kw``) exported for ``platform``
-    with the kernels compiled for ``target``."""
+def _export(fn, args, donate, platform, target):
+    """``fn`` jitted (``donate`` argnums) and exported for ``platform`` with the kernels
+    compiled for ``target``."""
     with compiled_kernels(target=target):
         return jax.export.export(
-            jax.jit(engine.step_function(4, **kw), donate_argnums=(2,)), platforms=[platform],
+            jax.jit(fn, donate_argnums=donate), platforms=[platform],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
-        )(*engine.step_inputs())
+        )(*args)
+
+
+def _export_step(engine, platform, target, **kw):
+    """The bucket-4 step (``step_function`` keywords ``kw``), exported."""
+    return _export(engine.step_function(4, **kw), engine.step_inputs(), (2,), platform,
+                   target)
 
 
 @pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
@@ -83,12 +89,8 @@ def test_length_zero_step_and_draft_catch_up_export(adaptive_engine, platform, t
     # The target's paged attention; no draft kernel.
     assert "paged_attention" in text
     assert "rmsnorm_concat" not in text and "draft_proposal" not in text
-    with compiled_kernels(target=target):
-        exported = jax.export.export(
-            jax.jit(engine.catch_up_function(4), donate_argnums=(1,)), platforms=[platform],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
-        )(engine.step_inputs()[1], engine.state)
-    text = exported.mlir_module()
+    text = _export(engine.catch_up_function(4), (engine.step_inputs()[1], engine.state), (1,),
+                   platform, target).mlir_module()
     # Fused norm-concat, paged attention and the gathered LM head of the draft's extend.
     assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") >= 3
     for name in ("rmsnorm_concat", "paged_attention", "gathered_lm_head"):

@@ -897,6 +897,8 @@ class Engine:
         """Before a step that drafts, or a step of length 0 that would put a row's draft
         more than MAX_DRAFT_LAG positions behind: the draft's catch-up over the
         positions steps of length 0 skipped (dispatched, so it runs before the step)."""
+        if self.state.draft_lag is None:
+            return  # no length 0 among the draft lengths: never behind
         lags = [r.draft_lag for r in occupied.values()]
         if not any(lags) or (length == 0 and max(lags) < step_lib.MAX_DRAFT_LAG):
             return

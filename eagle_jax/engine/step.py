@@ -463,13 +463,17 @@ def _keep_draft(state: DecodeState, batch: int, ext, rows: Array) -> DecodeState
                                  jnp.where(keep, ext.logits, state.draft_logits[:batch])))
 
 
+def _require_lag_buffers(state: DecodeState) -> None:
+    if state.draft_lag is None:
+        raise ValueError("a step of draft length 0 and the draft's catch-up need the lag "
+                         "buffers: build the state with 0 among the draft lengths")
+
+
 def _append_lag(state: DecodeState, batch: int, tokens: Array, features: Array,
                 active: Array) -> DecodeState:
     """The active rows' draft falls one position further behind: tokens [B] (at
     seq_len) and features [B, F] (the target's there) join their lag."""
-    if state.draft_lag is None:
-        raise ValueError("a step of draft length 0 needs the draft's lag buffers: build the "
-                         "state with 0 among the draft lengths")
+    _require_lag_buffers(state)
     lag = state.draft_lag[:batch]
     r = jnp.arange(batch)
     i = jnp.minimum(lag, MAX_DRAFT_LAG - 1)  # the host keeps lag below MAX_DRAFT_LAG here
@@ -488,6 +492,7 @@ def catch_up_draft(draft, state: DecodeState, *, batch: int) -> DecodeState:
     their kept tokens and target features, the rows the steps' own extends would have
     run (row j takes token j + 1, the last row last_token), the LM head on each row's
     last. Rows not behind keep their draft state; every lag of the bucket is 0 after."""
+    _require_lag_buffers(state)
     seq_len, last, _, _, active = _rows(state, batch)
     lag = state.draft_lag[:batch]
     behind = active & (lag > 0)
