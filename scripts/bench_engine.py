@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +82,21 @@ def random_eagle3(target: Decoder, dtype, draft_vocab: int) -> object:
                      target_lm_head=target.lm_head_weight, d2t=d2t, dtype=dtype)
 
 
-def decode_rate(engine: Engine, batch: int, prompt_len: int, new_tokens: int, seed: int):
-    """(decode tokens/s, mean TPOT s, most requests running at once) of ``batch``
-    requests, prefill excluded."""
+class DecodeRate(NamedTuple):
+    tok_s: float  # decode tokens/s of the whole batch, until its last request finished
+    tpot: float  # mean seconds per output token of a request
+    most_running: int  # most requests running at once
+    # Tokens/s while every request of the batch ran (until the first one finished): the
+    # batch's steady state, without the tail of a closed batch whose last requests run
+    # on in a mostly idle batch (its length depends on the spread of the requests'
+    # progress, so it weighs configurations by their variance, not only their rate).
+    full_batch_tok_s: float
+
+
+def decode_rate(engine: Engine, batch: int, prompt_len: int, new_tokens: int,
+                seed: int) -> DecodeRate:
+    """The decode rates of ``batch`` requests of ``new_tokens`` tokens each, prefill
+    excluded."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
@@ -93,6 +106,7 @@ def decode_rate(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
     last = {}
     produced = 0
     start = None
+    full_batch = None  # (tokens, seconds) until the first request finished
     most = 0
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -106,9 +120,12 @@ def decode_rate(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
             produced += len(o.new_token_ids)
             first.setdefault(o.request_id, now)
             last[o.request_id] = (now, o.num_output_tokens)
+        if start is not None and full_batch is None and any(o.finished for o in outs):
+            full_batch = (produced, now - start)
     elapsed = max(t for t, _ in last.values()) - start
     tpot = np.mean([(t - first[r]) / max(n - 1, 1) for r, (t, n) in last.items()])
-    return produced / elapsed, float(tpot), most
+    full_batch = full_batch or (produced, elapsed)
+    return DecodeRate(produced / elapsed, float(tpot), most, full_batch[0] / full_batch[1])
 
 
 def step_profile(engine: Engine, batch: int, prompt_len: int, steps: int, out_dir: str):
@@ -237,9 +254,9 @@ def main(argv=None):
         for b in batches:
             decode_rate(plain, b, args.prompt_len, 16, seed=1)  # warm-up
             decode_rate(spec, b, args.prompt_len, 16, seed=1)
-            p_tps, p_tpot, _ = decode_rate(plain, b, args.prompt_len, args.new_tokens, seed=2)
+            p_tps, p_tpot, *_ = decode_rate(plain, b, args.prompt_len, args.new_tokens, seed=2)
             s0 = spec.stats.num_accepted_tokens, spec.stats.num_drafts
-            s_tps, s_tpot, _ = decode_rate(spec, b, args.prompt_len, args.new_tokens, seed=2)
+            s_tps, s_tpot, *_ = decode_rate(spec, b, args.prompt_len, args.new_tokens, seed=2)
             acc = (spec.stats.num_accepted_tokens - s0[0]) / max(spec.stats.num_drafts - s0[1], 1)
             live = args.prompt_len + args.new_tokens / 2  # mean live tokens while decoding
             bound = b * bw / (weight_bytes + b * live * kvb)  # one read of weights + live KV
@@ -265,7 +282,7 @@ def main(argv=None):
         plain, spec = engines(args.long + 64, args.long + 128, [1])
         for name, eng in (("plain", plain), ("spec", spec)):
             decode_rate(eng, 1, args.long - 128, 8, seed=1)
-            tps, tpot, _ = decode_rate(eng, 1, args.long - 128, 128, seed=2)
+            tps, tpot, *_ = decode_rate(eng, 1, args.long - 128, 128, seed=2)
             bound = bw / (weight_bytes + args.long * kvb)
             extra[f"long_{name}"] = dict(live_tokens=args.long, tok_s=tps, tpot_ms=tpot * 1e3,
                                          bound_tok_s=bound, vs_bound=tps / bound)
@@ -278,7 +295,7 @@ def main(argv=None):
             prefill_buckets=(args.prompt_len,), page_size=args.page_size,
             kv_cache_memory=int(args.capacity_gib * 2**30), compilation_cache_dir=""),
             target=target)
-        tps, _, most = decode_rate(eng, 128, args.prompt_len, args.new_tokens, seed=4)
+        tps, _, most, _ = decode_rate(eng, 128, args.prompt_len, args.new_tokens, seed=4)
         extra["capacity"] = dict(kv_gib=args.capacity_gib, max_model_len=max(lens),
                                  pool_tokens=eng.num_pages * eng.page_size,
                                  requests=128, most_running=most,

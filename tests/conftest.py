@@ -11,9 +11,20 @@ import pytest
 # Tests compare float32 results against float64-accurate references.
 jax.config.update("jax_default_matmul_precision", "highest")
 # Engines of equal shapes in different tests compile the same programs: one persistent
-# cache for the whole session turns the repeats into cache hits.
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("EAGLE_JAX_TEST_CACHE") or tempfile.mkdtemp(prefix="jaxcache-"))
+# cache for the whole run turns the repeats into cache hits. pytest-xdist's workers share
+# it through the run's id (the cache writes each entry atomically).
+def _compilation_cache_dir() -> str:
+    if os.environ.get("EAGLE_JAX_TEST_CACHE"):
+        return os.environ["EAGLE_JAX_TEST_CACHE"]
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return tempfile.mkdtemp(prefix="jaxcache-")
+    path = os.path.join(tempfile.gettempdir(), f"jaxcache-{run_id}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+jax.config.update("jax_compilation_cache_dir", _compilation_cache_dir())
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 

@@ -56,7 +56,16 @@ def test_choice_maximises_expected_tokens_per_second(seed):
     acceptance = rng.uniform(0.2, 0.95, 3)
     policy = _policy(seconds, acceptance=acceptance, probe_every=10**9)
     rate = expected_tokens(acceptance, LENGTHS) / seconds
-    assert policy.choose(1) == LENGTHS[int(np.argmax(rate))]
+    # The shortest length within prefer_shorter of the best rate.
+    want = next(s for s, r in zip(LENGTHS, rate) if r >= (1 - policy.prefer_shorter) * rate.max())
+    assert policy.choose(1) == want
+
+
+def test_a_near_tie_goes_to_the_shorter_length():
+    acceptance = [0.7] * 3  # E[s] = 1, 1.7, 2.19, 2.533
+    seconds = [1.0, 1.2, 1.35, 1.35 * 2.533 / 2.19 * 0.99]  # length 3 1% ahead of 2
+    assert _policy(seconds, acceptance=acceptance, prefer_shorter=0.02).choose(1) == 2
+    assert _policy(seconds, acceptance=acceptance, prefer_shorter=0.0).choose(1) == 3
 
 
 def test_acceptance_estimate_follows_observed_steps():
@@ -84,6 +93,23 @@ def test_a_shorter_choice_probes_the_next_length():
     for _ in range(20):
         policy.observe(1, np.ones(64, np.int64))
     assert policy.choose(1) >= 1
+
+
+def test_probes_retime_a_shorter_length_whose_start_up_time_read_high():
+    """Probes go to both neighbours of the best length in turn (never down to 0): a
+    shorter length whose start-up time read high is timed again until the choice moves
+    to it, and from there probes go up and down."""
+    acceptance = [0.7] * 3  # E[s] = 1, 1.7, 2.19, 2.533
+    served = {0: 1.0, 1: 1.2, 2: 1.35, 3: 1.7}  # E / t: length 2 is the best
+    policy = _policy([1.0, 1.2, 1.7, 1.7], acceptance=acceptance, probe_every=4)
+    choices = []
+    for _ in range(200):
+        choices.append(policy.choose(1))
+        policy.observe_time(1, choices[-1], served[choices[-1]])
+    assert choices[:8] == [3, 3, 3, 2, 3, 3, 3, 2]
+    assert choices[-40:].count(2) == 30 and set(choices[-40:]) == {1, 2, 3}
+    assert policy.step_seconds[1, 2] == pytest.approx(1.35, rel=0.05)
+    assert 0 not in choices
 
 
 def test_step_times_follow_measured_cycles_and_skip_pauses():

@@ -640,12 +640,12 @@ class Engine:
     def _time_step(self, launched, ran_prefill: bool) -> None:
         """Gives the draft policy the time since the last collected step: the cycle of
         the step just collected (its device time when the device is the bottleneck, the
-        host's work between steps when not). Cycles that also ran a prompt chunk, or
-        follow one that collected nothing, are not a step's time."""
+        host's work between steps when not). Cycles that also ran a prompt chunk or the
+        draft's catch-up, or follow one that collected nothing, are not a step's time."""
         now = time.perf_counter()
         if launched is not None and self._last_collect is not None and not ran_prefill:
-            batch, length, carried_chunk = launched[3]
-            if not carried_chunk:
+            batch, length, ran_more = launched[3]
+            if not ran_more:
                 self.draft_policy.observe_time(batch, length, now - self._last_collect)
         self._last_collect = now if launched is not None else None
 
@@ -871,7 +871,7 @@ class Engine:
         carries = carried is not None and carried.in_prefill and carried.slot >= 0
         # A step carrying a chunk drafts num_steps (the chunk's rows are verify_width wide).
         length = self.num_steps if carries else self.draft_policy.choose(batch)
-        self._catch_up_draft(batch, occupied, length)
+        caught_up = self._catch_up_draft(batch, occupied, length)
         args = (self._target_params, self._draft_params, self.state,
                 self._page_updates(self.page_allocator.take_updates()))
         chunk_rows, first_token_of = 0, None
@@ -891,21 +891,23 @@ class Engine:
             req.in_flight += 1
             req.draft_lag += behind
         return (out, {slot: (req, req.preemptions) for slot, req in occupied.items()},
-                first_token_of, (batch, length, bool(chunk_rows)))
+                first_token_of, (batch, length, bool(chunk_rows) or caught_up))
 
-    def _catch_up_draft(self, batch: int, occupied: dict[int, _Request], length: int) -> None:
+    def _catch_up_draft(self, batch: int, occupied: dict[int, _Request], length: int) -> bool:
         """Before a step that drafts, or a step of length 0 that would put a row's draft
         more than MAX_DRAFT_LAG positions behind: the draft's catch-up over the
-        positions steps of length 0 skipped (dispatched, so it runs before the step)."""
+        positions steps of length 0 skipped (dispatched, so it runs before the step).
+        Returns whether it dispatched one."""
         if self.state.draft_lag is None:
-            return  # no length 0 among the draft lengths: never behind
+            return False  # no length 0 among the draft lengths: never behind
         lags = [r.draft_lag for r in occupied.values()]
         if not any(lags) or (length == 0 and max(lags) < step_lib.MAX_DRAFT_LAG):
-            return
+            return False
         self.state = self._catch_up_fn(batch)(self._draft_params, self.state)
         self.stats.num_draft_catch_ups += 1
         for req in occupied.values():
             req.draft_lag = 0
+        return True
 
     def _count_choice(self, batch: int, length: int, rows: int) -> None:
         """Counts a dispatched step's draft length and the adaptive policy's forecast:
