@@ -22,7 +22,8 @@ N / K times, in the k / v projection rows and in the pool, so that the pool has 
 and device s holds kv head s // (N / K) of the checkpoint: the one its query heads use.
 The pool's per-device bytes are then those of one kv head.
 
-This module depends on jax, flax and the config only: the models import it.
+This module depends on jax, flax, the config and the checkpoint's parameter walk only:
+the models import it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from eagle_jax.checkpoint import module_param_paths
 from eagle_jax.config import ModelConfig
 
 TP_AXIS = "tp"
@@ -126,13 +128,13 @@ def param_shardings(model: nnx.Module, mesh: Mesh) -> dict[tuple, NamedSharding]
     """Parameter path -> NamedSharding, for every parameter of ``model``."""
     tp = tensor_parallel_size(mesh)
     return {path: NamedSharding(mesh, param_spec(path, var.shape, tp))
-            for path, var in _params(model)}
+            for path, var in module_param_paths(model)}
 
 
 def shard_params(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """Places every parameter of ``model`` with its sharding (in place; returns it)."""
     shardings = param_shardings(model, mesh)
-    for path, var in _params(model):
+    for path, var in module_param_paths(model):
         var.set_value(jax.device_put(var[...], shardings[path]))
     return model
 
@@ -155,8 +157,3 @@ def per_shard(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
     """
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
-
-
-def _params(module: nnx.Module) -> list[tuple[tuple, nnx.Param]]:
-    return [(tuple(path), var) for path, var in nnx.iter_graph(module)
-            if isinstance(var, nnx.Param)]
