@@ -208,6 +208,34 @@ def module_param_paths(module: nnx.Module) -> list[tuple[tuple, nnx.Param]]:
     return out
 
 
+def fused_row_order(rows: tuple[int, ...], shards: int = 1,
+                    replicas: tuple[int, ...] | None = None) -> np.ndarray:
+    """Row r of a fused parameter is row ``order[r]`` of its parts' checkpoint tensors
+    concatenated (part 0's ``rows[0]`` rows, then part 1's, ...).
+
+    Shard-major (``models.layers.FusedLinear``): the rows are ``shards`` equal blocks,
+    block s holding, part by part, shard s's slice of each part. Part i is cut into
+    ``shards / replicas[i]`` equal chunks and block s takes chunk ``s // replicas[i]``,
+    so each chunk appears ``replicas[i]`` times (kv heads replicated when the devices
+    outnumber them). shards = 1: the identity.
+    """
+    replicas = replicas or (1,) * len(rows)
+    starts = np.cumsum((0,) + tuple(rows))[:-1]
+    order = []
+    for s in range(shards):
+        for start, n, rep in zip(starts, rows, replicas):
+            size = n // (shards // rep)
+            first = start + (s // rep) * size
+            order.append(np.arange(first, first + size))
+    return np.concatenate(order)
+
+
+def _shard_layout(var: nnx.Param) -> tuple[int, tuple[int, ...] | None]:
+    """(shards, replicas) of a fused parameter's rows (``fused_row_order``); (1, None)
+    for any other."""
+    return getattr(var, "checkpoint_shards", 1), getattr(var, "checkpoint_replicas", None)
+
+
 def _part_names(path: tuple, var: nnx.Param, name_of: Callable[[tuple], str]):
     """[(checkpoint name, rows)] of a parameter: itself, or the separate tensors a fused
     parameter (``checkpoint_parts`` metadata, see ``models.layers.FusedLinear``) is made of:
@@ -224,9 +252,9 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
 
     ``name_of`` maps a parameter path (e.g. ``('layers', 0, 'mlp', 'down_proj', 'weight')``)
     to its checkpoint name; a fused parameter is the concatenation (along its first axis)
-    of its parts' tensors. The expected shape is the parameter's own (each part's rows);
-    a missing tensor or a shape mismatch raises a CheckpointError naming the file, tensor
-    and shape.
+    of its parts' tensors, rows reordered shard by shard when it is tensor-parallel
+    (``fused_row_order``). The expected shape is each part's checkpoint rows; a missing
+    tensor or a shape mismatch raises a CheckpointError naming the file, tensor and shape.
     """
     optional = set(optional)
     for path, var in module_param_paths(module):
@@ -236,19 +264,28 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
         arrays = [reader.get(name, expected_shape=(rows,) + tuple(var.shape[1:]))
                   for name, rows in parts]
         arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+        shards, replicas = _shard_layout(var)
+        if shards > 1:
+            arr = arr[fused_row_order(tuple(rows for _, rows in parts), shards, replicas)]
         var.set_value(jnp.asarray(arr, dtype=dtype))
 
 
 def module_tensors(module: nnx.Module, name_of: Callable[[tuple], str],
                    dtype=None) -> dict[str, np.ndarray]:
     """Checkpoint-named numpy copies of every parameter of ``module`` (fused parameters
-    split back into their parts)."""
+    split back into their parts, in the checkpoint's row order; of a replicated kv head
+    the first copy is written)."""
     out = {}
     for path, var in module_param_paths(module):
         arr = np.asarray(jax.device_get(var[...]))
         arr = arr if dtype is None else arr.astype(dtype)
+        names = _part_names(path, var, name_of)
+        shards, replicas = _shard_layout(var)
+        if shards > 1:
+            order = fused_row_order(tuple(rows for _, rows in names), shards, replicas)
+            arr = arr[np.unique(order, return_index=True)[1]]  # first copy of each row
         start = 0
-        for name, rows in _part_names(path, var, name_of):
+        for name, rows in names:
             out[name] = arr[start:start + rows]
             start += rows
     return out

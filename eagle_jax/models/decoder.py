@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from eagle_jax import parallel
 from eagle_jax.checkpoint import CheckpointReader, dotted, load_into, module_tensors, save_sharded
 from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.models.layers import (
@@ -49,14 +50,15 @@ class DecoderOutput(NamedTuple):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, mesh=None, rngs: nnx.Rngs):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(
             h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias,
-            qk_norm=cfg.qk_norm, norm_eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            qk_norm=cfg.qk_norm, norm_eps=cfg.rms_norm_eps, dtype=dtype, mesh=mesh, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype,
+                       shards=parallel.tensor_parallel_size(mesh), rngs=rngs)
 
     def __call__(self, x, positions, cache: KVCache | None, layer: int, inv_freq,
                  batch: AttentionBatch | None):
@@ -72,12 +74,20 @@ class Decoder(nnx.Module):
 
     Parameter names follow the checkpoint: ``embed_tokens``, ``layers[i]``, ``norm``
     (under the checkpoint's ``model.`` prefix) and ``lm_head`` (absent when tied).
+
+    ``mesh`` (``eagle_jax.parallel.make_mesh``): built for tensor parallelism over the
+    mesh's "tp" devices: fused projections laid out shard by shard, the attention kernel
+    per shard, pools from ``init_pages`` / ``init_cache`` sharded by kv head. The
+    parameters are placed by ``parallel.shard_params`` (``load_decoder`` does it).
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, mesh=None, rngs: nnx.Rngs):
+        if mesh is not None:
+            parallel.check_tensor_parallel(cfg, parallel.tensor_parallel_size(mesh))
         self.config = cfg
+        self.mesh = mesh
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, mesh=mesh, rngs=rngs)
                                 for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (None if cfg.tie_word_embeddings else
@@ -94,18 +104,27 @@ class Decoder(nnx.Module):
         return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w,
                           preferred_element_type=jnp.float32)
 
+    @property
+    def pool_kv_heads(self) -> int:
+        """KV heads of the pool: the config's, or the tensor-parallel size when that is
+        larger (each kv head replicated, ``eagle_jax.parallel``)."""
+        return self.layers[0].self_attn.num_kv_heads
+
     def init_pages(self, num_pages: int, page_size: int, dtype=None) -> KVPages:
-        """The target's KV pool (every layer), zeroed."""
+        """The target's KV pool (every layer), zeroed; sharded by kv head with a mesh."""
         cfg = self.config
-        return KVPages.zeros(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
-                             cfg.head_dim, dtype or self.embed_tokens.weight.dtype)
+        pages = KVPages.zeros(cfg.num_layers, num_pages, page_size, self.pool_kv_heads,
+                              cfg.head_dim, dtype or self.embed_tokens.weight.dtype)
+        return pages if self.mesh is None else parallel.shard_pages(pages, self.mesh)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """A stand-alone paged cache of ``batch`` rows of ``max_len`` positions each."""
         cfg = self.config
         dtype = dtype or self.embed_tokens.weight.dtype
-        return KVCache.contiguous(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
-                                  cfg.head_dim, dtype)
+        cache = KVCache.contiguous(cfg.num_layers, batch, max_len, self.pool_kv_heads,
+                                   cfg.head_dim, dtype)
+        return (cache if self.mesh is None else
+                cache._replace(pages=parallel.shard_pages(cache.pages, self.mesh)))
 
     def __call__(self, tokens: Array, positions: Array, cache: KVCache | None, *,
                  logit_rows: Array | None = None, aux_layers: Sequence[int] = (),
@@ -151,17 +170,18 @@ def checkpoint_name(path: tuple) -> str:
     return name if path[0] == "lm_head" else f"model.{name}"
 
 
-def load_decoder(model_dir: str, dtype="float32") -> Decoder:
-    """Builds the decoder described by ``model_dir/config.json`` from its safetensors.
+def load_decoder(model_dir: str, dtype="float32", *, mesh=None) -> Decoder:
+    """Builds the decoder described by ``model_dir/config.json`` from its safetensors;
+    with ``mesh``, tensor-parallel over it, parameters placed with their shardings.
 
     Raises CheckpointError naming the file, tensor and expected shape on any mismatch.
     """
     cfg = ModelConfig.from_dir(model_dir)
     dtype = resolve_dtype(dtype)
     reader = CheckpointReader(model_dir)
-    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, mesh=mesh, rngs=nnx.Rngs(0)))
     load_into(model, reader, checkpoint_name, dtype)
-    return model
+    return model if mesh is None else parallel.shard_params(model, mesh)
 
 
 def save_decoder(model: Decoder, model_dir: str, hf_config: dict, dtype=None, *,

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from eagle_jax import parallel
+from eagle_jax.checkpoint import fused_row_order
 from eagle_jax.config import RopeScaling
 from eagle_jax.kernels.paged_attention import paged_attention
 
@@ -55,15 +57,36 @@ class FusedLinear(nnx.Module):
     bias) carry them as ``checkpoint_parts`` metadata: the checkpoint reader concatenates
     the separate Hugging Face tensors on load, the writer splits them on save
     (``eagle_jax.checkpoint``), so checkpoints keep their names.
+
+    Tensor parallelism (``shards`` > 1): the rows are ordered shard by shard, block s =
+    [part 0's slice s; part 1's slice s; ...] (``checkpoint.fused_row_order``), so that
+    the weight split evenly on its row axis over ``shards`` devices gives each device
+    exactly its slice of every part (its q, k and v heads) and the split below stays
+    local. ``replicas[i]`` > 1 stores part i that many times over (a kv head shared by
+    several devices), giving it ``rows * replicas[i]`` rows. shards = 1 is the plain
+    concatenation. The checkpoint keeps the per-part tensors either way.
     """
 
     def __init__(self, in_features: int, parts: tuple[tuple[str, int], ...], *,
+                 shards: int = 1, replicas: tuple[int, ...] | None = None,
                  bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
-        out = sum(rows for _, rows in parts)
-        self.sizes = tuple(rows for _, rows in parts)
-        self.weight = nnx.Param(_normal(rngs, (out, in_features), dtype)[...],
-                                checkpoint_parts=parts)
-        self.bias = (nnx.Param(jnp.zeros((out,), dtype), checkpoint_parts=parts)
+        rows = tuple(n for _, n in parts)
+        replicas = tuple(replicas or (1,) * len(parts))
+        self.sizes = tuple(n * r for n, r in zip(rows, replicas))
+        for (name, n), r in zip(parts, replicas):
+            if shards % r or n % (shards // r):
+                raise ValueError(
+                    f"{name}: {n} rows stored {r} time(s) cannot be split over {shards} "
+                    f"shards; use a shard count that divides the rows")
+        self.shards = shards
+        meta = dict(checkpoint_parts=parts, checkpoint_shards=shards,
+                    checkpoint_replicas=replicas)
+        # Drawn in the checkpoint's layout and then reordered: the same seed gives the
+        # same model at every shard count.
+        order = None if shards == 1 else fused_row_order(rows, shards, replicas)
+        w = _normal(rngs, (sum(rows), in_features), dtype)[...]
+        self.weight = nnx.Param(w if order is None else w[order], **meta)
+        self.bias = (nnx.Param(jnp.zeros((sum(self.sizes),), dtype), **meta)
                      if bias else None)
 
     def __call__(self, x: Array) -> tuple[Array, ...]:
@@ -72,8 +95,10 @@ class FusedLinear(nnx.Module):
         y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
         if self.bias is not None:
             y = y + self.bias[...]
-        bounds = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes) - 1)]
-        return tuple(jnp.split(y, bounds, axis=-1))
+        per_shard = [n // self.shards for n in self.sizes]
+        bounds = [sum(per_shard[:i + 1]) for i in range(len(per_shard) - 1)]
+        y = y.reshape(*y.shape[:-1], self.shards, sum(per_shard))  # [..., shards, block]
+        return tuple(p.reshape(*p.shape[:-2], -1) for p in jnp.split(y, bounds, axis=-1))
 
 
 class Embedding(nnx.Module):
@@ -292,16 +317,30 @@ class Attention(nnx.Module):
     ``in_features`` differs from the output width for EAGLE-3's first draft layer, whose
     input is concat(norm(embeds), norm(hidden)) of width 2H. q, k and v are one GEMM
     (``qkv_proj``; the checkpoint keeps ``q_proj`` / ``k_proj`` / ``v_proj``).
+
+    ``mesh`` (tensor parallelism, ``eagle_jax.parallel``): ``qkv_proj`` is laid out shard
+    by shard over the mesh's "tp" devices, kv heads replicated when the devices outnumber
+    them (``num_kv_heads`` is then the pool's count, tp, not the checkpoint's), and the
+    paged attention kernel runs per device under ``shard_map`` on its own heads. The mesh
+    is a static attribute of the module, not an argument: every caller of the model (the
+    engine's jitted steps, tests, scoring) gets the sharded kernel without threading it.
+    Everything outside the kernel is global code that XLA partitions from the parameters'
+    shardings.
     """
 
     def __init__(self, in_features: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, *, bias: bool = False, qk_norm: bool = False,
-                 norm_eps: float = 1e-6, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+                 norm_eps: float = 1e-6, dtype=jnp.float32, mesh=None, rngs: nnx.Rngs):
+        tp = parallel.tensor_parallel_size(mesh)
+        parallel.check_heads(num_heads, num_kv_heads, tp)
+        kv_rep = parallel.kv_replicas(num_kv_heads, tp)
+        self.mesh = mesh
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            num_heads, num_kv_heads * kv_rep, head_dim)
         self.qkv_proj = FusedLinear(
             in_features, (("q_proj", num_heads * head_dim), ("k_proj", num_kv_heads * head_dim),
                           ("v_proj", num_kv_heads * head_dim)),
-            bias=bias, dtype=dtype, rngs=rngs)
+            shards=tp, replicas=(1, kv_rep, kv_rep), bias=bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
@@ -324,9 +363,31 @@ class Attention(nnx.Module):
         else:
             pages = cache.pages.write(layer, k, v, batch.slots)
             cache = cache._replace(pages=pages)
-            out = paged_attention(q, pages.k[layer], pages.v[layer], cache.page_table,
-                                  batch.kv_len, batch.q_len, block_mask=batch.block_mask)
+            out = self.paged(q, pages.k[layer], pages.v[layer], cache.page_table, batch)
         return self.o_proj(out.reshape(bsz, t, -1)), cache
+
+    def paged(self, q: Array, k_pages: Array, v_pages: Array, page_table: Array,
+              batch: AttentionBatch) -> Array:
+        """q [B, T, N, D] over one layer's pool [P, page_size, K, D] -> [B, T, N, D].
+
+        With a mesh, each device runs the kernel on its N / tp query heads and the kv
+        heads they use (its K / tp pool heads); page table, lengths and block mask are
+        replicated. The head order of q and of the pool is shard-major by construction
+        (``FusedLinear``), so device s's query heads use exactly its kv heads.
+        """
+        def attend(q, k_pages, v_pages, page_table, kv_len, q_len, block_mask):
+            return paged_attention(q, k_pages, v_pages, page_table, kv_len, q_len,
+                                   block_mask=block_mask)
+
+        args = (q, k_pages, v_pages, page_table, batch.kv_len, batch.q_len, batch.block_mask)
+        if self.mesh is None:
+            return attend(*args)
+        heads, rep = parallel.HEADS_SPEC, jax.sharding.PartitionSpec()
+        mask_spec = None if batch.block_mask is None else rep
+        return parallel.per_shard(
+            attend, self.mesh, in_specs=(heads, parallel.KV_PAGES_SPEC, parallel.KV_PAGES_SPEC,
+                                         rep, rep, rep, mask_spec),
+            out_specs=heads)(*args)
 
     def qkv(self, x: Array, positions: Array, inv_freq: Array) -> tuple[Array, Array, Array]:
         """x: [B, T, in] -> q [B, T, N, D], k and v [B, T, K, D]: projected, q/k-normed
@@ -343,13 +404,14 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one GEMM
-    (``gate_up_proj``; the checkpoint keeps ``gate_proj`` / ``up_proj``)."""
+    (``gate_up_proj``; the checkpoint keeps ``gate_proj`` / ``up_proj``). ``shards``:
+    ``gate_up_proj``'s tensor-parallel layout (``FusedLinear``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 shards: int = 1, rngs: nnx.Rngs):
         self.gate_up_proj = FusedLinear(
             hidden_size, (("gate_proj", intermediate_size), ("up_proj", intermediate_size)),
-            dtype=dtype, rngs=rngs)
+            shards=shards, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:

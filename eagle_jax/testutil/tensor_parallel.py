@@ -1,0 +1,153 @@
+"""Tensor-parallel runs of the target decoder in a process of its own, for tests.
+
+A host-platform device count is fixed when jax starts, so the test process (one CPU
+device) cannot grow a mesh: ``run_in_subprocess`` starts ``python -m
+eagle_jax.testutil.tensor_parallel`` with ``XLA_FLAGS=--xla_force_host_platform_device_count``
+and reads back an ``.npz`` of what it measured. The assertions stay in the test.
+
+For each tensor-parallel size (1 = no mesh, the reference) the child loads the checkpoint,
+runs a ragged prefill through the paged KV cache, greedy decode steps and one draft-tree
+verify (a block mask), and records the logits, greedy tokens, every parameter's and the
+KV pool's per-device shard shapes, layer 0's fused q/k/v shards, the collectives of the
+compiled decode step and ``module_tensors`` of the loaded and of a randomly initialised
+model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def run_in_subprocess(model_dir: str, out_path: str, tp_sizes: tuple[int, ...], *,
+                      seed: int, devices: int = 4, decode_steps: int = 3,
+                      timeout: float = 900) -> dict[str, np.ndarray]:
+    """Runs ``main`` in a child with ``devices`` host devices; returns its arrays."""
+    request = dict(model_dir=model_dir, out=out_path, tp_sizes=list(tp_sizes), seed=seed,
+                   decode_steps=decode_steps)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(request)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"tensor-parallel child failed:\n{proc.stderr[-4000:]}")
+    with np.load(out_path) as f:
+        return dict(f)
+
+
+def _inputs(rng: np.random.Generator, vocab: int, capacity: int):
+    """A ragged prefill of two rows: row 1 is shorter, its tail padding (position =
+    capacity, whose KV write is dropped)."""
+    lengths = (int(rng.integers(5, 9)), int(rng.integers(2, 5)))
+    t = max(lengths)
+    tokens = rng.integers(0, vocab, (2, t)).astype(np.int32)
+    positions = np.full((2, t), capacity, np.int32)
+    for b, n in enumerate(lengths):
+        positions[b, :n] = np.arange(n)
+    return tokens, positions, np.array(lengths, np.int32)
+
+
+def _tree(rng: np.random.Generator, lengths: np.ndarray, nodes: int):
+    """A random draft tree of ``nodes`` nodes per row after ``lengths``: node i's parent
+    is a random earlier node (node 0 the root); each sees its ancestors and itself."""
+    b = len(lengths)
+    mask = np.zeros((b, nodes, nodes), bool)
+    depth = np.zeros((b, nodes), np.int32)
+    for r in range(b):
+        for i in range(nodes):
+            mask[r, i, i] = True
+            if i:
+                parent = int(rng.integers(0, i))
+                mask[r, i] |= mask[r, parent]
+                depth[r, i] = depth[r, parent] + 1
+    positions = lengths[:, None] + np.arange(nodes, dtype=np.int32)[None]
+    return positions.astype(np.int32), (lengths[:, None] + depth).astype(np.int32), mask
+
+
+def _collectives(hlo: str) -> np.ndarray:
+    """Counts of each of COLLECTIVES' ops (sync or async start) in compiled HLO text."""
+    return np.array([len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES])
+
+
+def _run(model_dir: str, tp: int, seed: int, decode_steps: int) -> dict[str, np.ndarray]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from eagle_jax import parallel
+    from eagle_jax.checkpoint import module_param_paths, module_tensors
+    from eagle_jax.config import ModelConfig
+    from eagle_jax.models.decoder import Decoder, checkpoint_name, load_decoder
+    from eagle_jax.models.layers import TreeLayout
+
+    mesh = None if tp == 1 else parallel.make_mesh(tp)
+    model = load_decoder(model_dir, mesh=mesh)
+    graph, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, tokens, positions, cache, tree=None):
+        out = nnx.merge(graph, state)(tokens, positions, cache, tree=tree)
+        return out.logits, out.cache
+
+    rng = np.random.default_rng(seed)
+    cache = model.init_cache(2, 32)
+    vocab = model.config.vocab_size
+    tokens, positions, lengths = _inputs(rng, vocab, cache.capacity)
+    logits, cache = forward(state, tokens, positions, cache)
+    out: dict[str, np.ndarray] = {"prefill": np.asarray(logits)}
+    last = np.asarray(logits)[np.arange(2), lengths - 1]
+    greedy = []
+    for _ in range(decode_steps):
+        token = jnp.asarray(np.argmax(last, -1)[:, None], jnp.int32)
+        greedy.append(np.asarray(token)[:, 0])
+        logits, cache = forward(state, token, jnp.asarray(lengths[:, None]), cache)
+        lengths = lengths + 1
+        last = np.asarray(logits)[:, 0]
+        out[f"decode{len(greedy)}"] = last
+    out["greedy"] = np.stack(greedy, 1)
+    tree_pos, rope_pos, mask = _tree(rng, lengths, 4)
+    tree_tokens = rng.integers(0, vocab, tree_pos.shape).astype(np.int32)
+    out["tree"] = np.asarray(forward(state, tree_tokens, tree_pos, cache,
+                                     TreeLayout(jnp.asarray(rope_pos), jnp.asarray(mask)))[0])
+
+    hlo = forward.lower(state, token, jnp.asarray(lengths[:, None]), cache).compile().as_text()
+    out["collectives"] = _collectives(hlo)
+    out["pool_shards"] = np.array([s.data.shape for s in cache.pages.k[0].addressable_shards])
+    qkv = model.layers[0].self_attn.qkv_proj.weight[...]
+    out["qkv_shards"] = np.stack([np.asarray(s.data) for s in sorted(
+        qkv.addressable_shards, key=lambda s: s.device.id)])
+    for path, var in module_param_paths(model):
+        name = ".".join(map(str, path))
+        out[f"shard_shapes:{name}"] = np.array(
+            [s.data.shape for s in var[...].addressable_shards])
+    for name, arr in module_tensors(model, checkpoint_name).items():
+        out[f"saved:{name}"] = arr
+    cfg = ModelConfig.from_dir(model_dir)
+    fresh = Decoder(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
+    for name, arr in module_tensors(fresh, checkpoint_name).items():
+        out[f"init:{name}"] = arr
+    return out
+
+
+def main(request: dict) -> None:
+    import jax
+
+    # As in tests/conftest.py: float32 matmuls at full precision.
+    jax.config.update("jax_default_matmul_precision", "highest")
+    arrays = {}
+    for tp in request["tp_sizes"]:
+        for key, value in _run(request["model_dir"], tp, request["seed"],
+                               request["decode_steps"]).items():
+            arrays[f"tp{tp}/{key}"] = value
+    np.savez(request["out"], **arrays)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
