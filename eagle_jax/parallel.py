@@ -63,8 +63,6 @@ def kv_replicas(num_kv_heads: int, tp: int) -> int:
 
 def check_heads(num_heads: int, num_kv_heads: int, tp: int) -> None:
     """Raises ValueError unless ``tp`` splits the heads evenly (see the module docstring)."""
-    if tp < 1:
-        raise ValueError(f"tensor-parallel size {tp} must be >= 1")
     if num_heads % tp:
         raise ValueError(
             f"tensor-parallel size {tp} does not divide the model's {num_heads} attention "

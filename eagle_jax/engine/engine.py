@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,15 @@ from eagle_jax.models.layers import KVPages
 from eagle_jax.sampling import SamplingParams, SamplingRows
 
 logger = logging.getLogger("eagle_jax.engine")
+
+
+class _StepVariant(NamedTuple):
+    """Which compiled step a launch ran, and whether its cycle also ran a prompt chunk or
+    the draft's catch-up (then it is not timed as the step's)."""
+
+    batch: int
+    draft_length: int
+    ran_more: bool
 
 
 @dataclasses.dataclass
@@ -644,9 +653,10 @@ class Engine:
         draft's catch-up, or follow one that collected nothing, are not a step's time."""
         now = time.perf_counter()
         if launched is not None and self._last_collect is not None and not ran_prefill:
-            batch, length, ran_more = launched[3]
-            if not ran_more:
-                self.draft_policy.observe_time(batch, length, now - self._last_collect)
+            variant = launched[3]
+            if not variant.ran_more:
+                self.draft_policy.observe_time(variant.batch, variant.draft_length,
+                                               now - self._last_collect)
         self._last_collect = now if launched is not None else None
 
     def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
@@ -891,7 +901,7 @@ class Engine:
             req.in_flight += 1
             req.draft_lag += behind
         return (out, {slot: (req, req.preemptions) for slot, req in occupied.items()},
-                first_token_of, (batch, length, bool(chunk_rows) or caught_up))
+                first_token_of, _StepVariant(batch, length, bool(chunk_rows) or caught_up))
 
     def _catch_up_draft(self, batch: int, occupied: dict[int, _Request], length: int) -> bool:
         """Before a step that drafts, or a step of length 0 that would put a row's draft
@@ -922,7 +932,8 @@ class Engine:
             s.forecast_seconds += self.draft_policy.step_seconds[batch, length]
 
     def _collect(self, out, occupied: dict[int, tuple[_Request, int]],
-                 first_token_of: tuple[_Request, int] | None, variant: tuple, outputs):
+                 first_token_of: tuple[_Request, int] | None, variant: _StepVariant,
+                 outputs):
         """Reads a step's tokens (the one host read of the step) and commits them, and
         the first token of the request whose last prompt chunk the step carried.
 
@@ -940,7 +951,7 @@ class Engine:
             req.in_flight -= 1
             if not req.finished:
                 live[slot] = req
-        self._count_step(out, live, variant[1])
+        self._count_step(out, live, variant.draft_length)
         tokens, num_tokens = out.tokens.tolist(), out.num_tokens.tolist()
         for slot, req in live.items():
             n = num_tokens[slot]
