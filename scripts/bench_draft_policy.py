@@ -20,10 +20,13 @@ policy's tok/s, the lengths it chose (share of steps), and adaptive / best of th
 cell ran (``DecodeRate.full_batch_tok_s``: the batch's steady state, without the tail in
 which a closed batch's last requests run on alone); beside plain, its physical bound: one read of the weights
 and of the live KV entries (the mean live length while decoding) per step, over the
-device-to-device copy bandwidth measured in the same run. ``--plot`` draws tok/s against batch, one panel per a.
+device-to-device copy bandwidth measured in the same run. ``--plot`` draws tok/s and
+adaptive / best against batch, one column per a; ``--from-json`` tables and plots saved
+runs together (a grid measured in several calls).
 
     python scripts/bench_draft_policy.py [--acceptance 0.5,0.7,0.85] [--repeats 3]
         [--batch-sizes 1,8,32,64,128] [--json PATH] [--plot PATH] [--small]
+    python scripts/bench_draft_policy.py --from-json RUN.json [RUN.json ...] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -89,7 +92,11 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: print the table (and --plot) of saved runs")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return from_json(args.from_json, args.plot)
     rates = [float(a) for a in args.acceptance.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     lengths = tuple(sorted({int(s) for s in args.draft_lengths.split(",")}))
@@ -180,6 +187,21 @@ def main(argv=None):
           f"(decode; the median of {args.repeats} interleaved runs)\n")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
           f"KV {kv_bytes / 1024:.0f} KiB per live token\n")
+    print_table(rows, fixed)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device, date=str(datetime.date.today()), lengths=lengths,
+                           copy_bandwidth=bw, weight_bytes=weight_bytes,
+                           kv_bytes_per_token=kv_bytes,
+                           step_seconds={f"{b},{s}": v for (b, s), v in step_seconds.items()},
+                           prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                           cell_tokens=args.cell_tokens, repeats=args.repeats,
+                           rows=rows), f, indent=2)
+    if args.plot:
+        plot(rows, fixed, f"draft length per step, {device}", args.plot)
+
+
+def print_table(rows: list[dict], fixed: list[int]) -> None:
     head = (["a", "batch", "plain", "plain / bound"] + [f"fixed {s}" for s in fixed]
             + ["adaptive", "lengths chosen (share of steps)", "adaptive / best",
                "full batch: adaptive / best"])
@@ -196,40 +218,61 @@ def main(argv=None):
     for suffix, what in (("", "closed batch"), ("_full", "full batch")):
         worst = min(r[f"adaptive_vs_best{suffix}"] for r in rows)
         print(f"worst cell, {what}: adaptive / best = {worst:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device, date=str(datetime.date.today()), lengths=lengths,
-                           copy_bandwidth=bw, weight_bytes=weight_bytes,
-                           kv_bytes_per_token=kv_bytes,
-                           step_seconds={f"{b},{s}": v for (b, s), v in step_seconds.items()},
-                           prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                           cell_tokens=args.cell_tokens, repeats=args.repeats,
-                           rows=rows), f, indent=2)
-    if args.plot:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
-        for ax, a in zip(axes[0], rates):
-            sel = [r for r in rows if r["acceptance"] == a]
-            xs = [r["batch"] for r in sel]
-            ax.plot(xs, [r["plain_tok_s"] for r in sel], "k--", label="plain")
-            for s in fixed:
-                ax.plot(xs, [r[f"fixed{s}_tok_s"] for r in sel], alpha=0.6, label=f"fixed {s}")
-            ax.plot(xs, [r["adaptive_tok_s"] for r in sel], "r-o", lw=2, label="adaptive")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"synthetic acceptance a = {a}")
-            ax.set_xlabel("batch")
-            ax.set_ylabel("decode tok/s")
+def plot(rows: list[dict], fixed: list[int], title: str, path: str) -> None:
+    """Per acceptance a: tok/s of every configuration against batch (top), and adaptive /
+    best of the others, closed batch and full batch, against the issue's 0.97 (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["acceptance"] for r in rows})
+    fig, axes = plt.subplots(2, len(rates), figsize=(5 * len(rates), 7), squeeze=False,
+                             sharex=True, height_ratios=(2, 1))
+    for col, a in enumerate(rates):
+        sel = sorted((r for r in rows if r["acceptance"] == a), key=lambda r: r["batch"])
+        xs = [r["batch"] for r in sel]
+        ax = axes[0][col]
+        ax.plot(xs, [r["plain_tok_s"] for r in sel], "k--", label="plain")
+        for s in fixed:
+            ax.plot(xs, [r[f"fixed{s}_tok_s"] for r in sel], alpha=0.6, label=f"fixed {s}")
+        ax.plot(xs, [r["adaptive_tok_s"] for r in sel], "r-o", lw=2, label="adaptive")
+        ax.set_yscale("log")
+        ax.set_title(f"synthetic acceptance a = {a}")
+        ax.set_ylabel("decode tok/s")
+        ax = axes[1][col]
+        ax.plot(xs, [r["adaptive_vs_best"] for r in sel], "r-o", label="closed batch")
+        ax.plot(xs, [r["adaptive_vs_best_full"] for r in sel], "b-s", label="full batch")
+        ax.axhline(0.97, color="k", ls=":", label="0.97")
+        ax.set_ylabel("adaptive / best other")
+        ax.set_xlabel("batch")
+        ax.set_xscale("log", base=2)
+        for ax in axes[:, col]:
             ax.grid(alpha=0.3)
-        axes[0][0].legend()
-        fig.suptitle(f"draft length per step, {device}")
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+    axes[0][0].legend()
+    axes[1][0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
+
+def from_json(paths: list[str], plot_path: str | None) -> None:
+    """The table (and plot) of saved runs (``--json``), their rows together: a grid
+    measured in several calls."""
+    runs = [json.load(open(p)) for p in paths]
+    fixed = [s for s in runs[0]["lengths"]]
+    rows = sorted((r for run in runs for r in run["rows"]),
+                  key=lambda r: (r["acceptance"], r["batch"]))
+    for p, run in zip(paths, runs):
+        print(f"{p}: {run['device']}, {run['date']}, batches "
+              f"{sorted({r['batch'] for r in run['rows']})}, repeats {run['repeats']}")
+    print()
+    print_table(rows, fixed)
+    if plot_path:
+        plot(rows, fixed, f"draft length per step, {runs[0]['device']} "
+                          f"({len(runs)} runs)", plot_path)
 
 if __name__ == "__main__":
     main()

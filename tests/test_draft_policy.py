@@ -3,6 +3,9 @@ switching lengths between steps without changing its output."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -131,6 +134,7 @@ class ScriptedLengths:
         self.lengths = tuple(lengths)
         self._rng = np.random.default_rng(seed)
         self.chosen = []
+        self.timed = []  # the step cycles the engine reported
 
     def choose(self, bucket):
         self.chosen.append(int(self._rng.choice(self.lengths)))
@@ -140,7 +144,7 @@ class ScriptedLengths:
         pass
 
     def observe_time(self, bucket, length, seconds):
-        pass
+        self.timed.append(seconds)
 
     def predicted_tokens(self, length):
         return None
@@ -216,6 +220,43 @@ def test_greedy_output_is_the_targets_when_the_draft_falls_behind(reference, eag
     # Some run of length-0 steps was long enough to force a catch-up.
     runs = "".join("0" if s == 0 else "x" for s in chosen).split("x")
     assert max(map(len, runs)) > MAX_DRAFT_LAG
+
+
+def test_a_cycle_that_ran_the_drafts_catch_up_is_not_timed(monkeypatch, reference, eagle3):
+    """The policy learns a length's step time from the cycles of steps of that length; a
+    cycle that also ran the draft's catch-up is not one. Each catch-up here takes
+    ``catch_up_seconds`` longer than any step (after a warm-up run, so that no cycle
+    compiles): no reported cycle may be that long, and the output is still the target's.
+
+    Scheduling is synchronous here, so the delay falls in the cycle of the step it was
+    dispatched with whatever the backend's dispatch does (the CPU client may run a
+    computation inline); with async scheduling the device's in-order stream puts it in the
+    same step's cycle, the one after the previous step's tokens were read."""
+    catch_up_seconds = 2.0
+    engine = eagle3[0]
+    schedule = _schedule(seed=17)
+    want = _run(reference, schedule)
+    engine.draft_policy = ScriptedLengths((0,) * 8 + (1, 3), seed=7)
+    assert _run(engine, schedule) == want  # warm-up: every variant this schedule runs
+    while engine.has_unfinished_requests():
+        engine.step()  # (the last step in flight)
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config,
+                                                              async_scheduling=False))
+    catch_up = engine._catch_up_draft
+
+    def slow_catch_up(*args):
+        ran = catch_up(*args)
+        if ran:
+            time.sleep(catch_up_seconds)
+        return ran
+
+    monkeypatch.setattr(engine, "_catch_up_draft", slow_catch_up)
+    before = engine.stats.num_draft_catch_ups
+    engine.draft_policy = policy = ScriptedLengths((0,) * 8 + (1, 3), seed=7)
+    assert _run(engine, schedule) == want
+    assert engine.stats.num_draft_catch_ups > before
+    assert len(policy.timed) > 10
+    assert max(policy.timed) < catch_up_seconds
 
 
 def _draft_rows(state, slot, positions):
