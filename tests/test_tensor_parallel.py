@@ -1,4 +1,4 @@
-"""Tensor parallelism of the target decoder (``eagle_jax.parallel``).
+"""Tensor parallelism of the target decoder (``eagle_jax.parallel``) and of the engine.
 
 The mesh runs need several devices, which a CPU process has only when XLA_FLAGS says so
 before jax starts: they run in a child process with 4 host devices
@@ -19,9 +19,11 @@ from flax import nnx
 from eagle_jax import parallel
 from eagle_jax.checkpoint import CheckpointReader, fused_row_order
 from eagle_jax.config import ModelConfig
+from eagle_jax.engine import EngineConfig
 from eagle_jax.models.layers import FusedLinear
 from eagle_jax.testutil.models import tiny_config
-from eagle_jax.testutil.tensor_parallel import COLLECTIVES, run_in_subprocess
+from eagle_jax.testutil.tensor_parallel import (
+    COLLECTIVES, run_engines_in_subprocess, run_in_subprocess)
 
 LAYERS = 2
 # (attention heads, kv heads): kv heads split over 2 and 4 devices; 2 kv heads at
@@ -125,6 +127,72 @@ def test_saved_tensors_are_the_checkpoint_and_init_is_shard_count_free(tp_run, t
     for name in saved:
         np.testing.assert_array_equal(a[f"tp{tp}/saved:{name}"], reader.get(name), name)
         np.testing.assert_array_equal(a[f"tp{tp}/init:{name}"], a[f"tp1/init:{name}"], name)
+
+
+# ---- The engine at tensor-parallel 2 and 4 (one child process). ------------------------
+
+# Two requests of different lengths, the second joining at step 2 while the first decodes
+# (its prompt chunk rides in the decode step), on the kv2 target: at tensor-parallel 4 its
+# 2 kv heads are each replicated on 2 devices. Greedy speculative output equals the
+# target's alone (tests/test_engine.py), so the plain engine at tensor-parallel 1 is the
+# reference of all four.
+ENGINE_SCHEDULE = [(0, "a", [5, 9, 13, 21, 40, 7, 88], 9),
+                   (2, "b", [3, 4, 5, 6, 100, 101, 102, 103, 104, 7, 8, 9, 30, 31], 6)]
+ENGINE_RUNS = [(1, "NONE"), (2, "NONE"), (2, "EAGLE3"), (4, "NONE"), (4, "EAGLE3")]
+KV_BUDGET = 1 << 20
+ENGINE_CONFIG = dict(dtype="float32", max_model_len=64, max_num_seqs=2, batch_buckets=(2,),
+                     prefill_buckets=(16,), page_size=16, num_steps=2, precompile=False,
+                     compilation_cache_dir="", kv_cache_memory=KV_BUDGET)
+
+
+@pytest.fixture(scope="module")
+def engine_run(tiny_targets, tmp_path_factory):
+    from eagle_jax.testutil.drafts import write_tiny_eagle3_draft
+
+    heads, kv_heads = HEAD_CASES["kv2"]
+    target = tiny_targets("llama", num_heads=heads, num_kv_heads=kv_heads, num_layers=LAYERS)
+    root = tmp_path_factory.mktemp("tp_engine")
+    draft = write_tiny_eagle3_draft(str(root / "eagle3"), target)
+    arrays = run_engines_in_subprocess(target, draft, str(root / "run.npz"), ENGINE_RUNS,
+                                       schedule=ENGINE_SCHEDULE, config=ENGINE_CONFIG,
+                                       bad_sizes=(8, 3))
+    return dict(arrays=arrays, target=target, draft=draft)
+
+
+@pytest.mark.parametrize("tp,algo", [r for r in ENGINE_RUNS if r[0] > 1])
+def test_engine_greedy_output_equals_tensor_parallel_1(engine_run, tp, algo):
+    a = engine_run["arrays"]
+    for _, rid, _, max_tokens in ENGINE_SCHEDULE:
+        ref = a[f"1/NONE/{rid}"]
+        assert len(ref) == max_tokens
+        np.testing.assert_array_equal(a[f"{tp}/{algo}/{rid}"], ref, err_msg=rid)
+
+
+def test_engine_kv_pool_per_device_holds_each_devices_kv_heads(engine_run):
+    """A device stores max(K, N) / N of the target's kv heads (kv heads replicated when
+    N > K) and the whole replicated draft pool: the same per-device budget holds that
+    much more of the target's tokens."""
+    a = engine_run["arrays"]
+    cfg = ModelConfig.from_dir(engine_run["target"])
+    page = ENGINE_CONFIG["page_size"]
+    target_bytes = {}
+    for tp in (1, 2, 4):
+        kv_per_device = max(cfg.num_kv_heads, tp) // tp
+        target_bytes[tp] = 2 * cfg.num_layers * kv_per_device * cfg.head_dim * 4  # float32
+        assert a[f"{tp}/NONE/bytes_per_token"] == target_bytes[tp], tp
+        assert a[f"{tp}/NONE/num_pages"] == KV_BUDGET // (target_bytes[tp] * page), tp
+    assert a["2/NONE/num_pages"] == 2 * a["1/NONE/num_pages"]
+    draft_bytes = [a[f"{tp}/EAGLE3/bytes_per_token"] - target_bytes[tp] for tp in (2, 4)]
+    assert draft_bytes[0] == draft_bytes[1] > 0
+
+
+def test_engine_bad_tensor_parallel_size_names_the_fix(engine_run):
+    a = engine_run["arrays"]
+    assert "use at most 4" in str(a["errors/8"])
+    assert "does not divide the model's 8 attention heads; use" in str(a["errors/3"])
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(model=engine_run["target"], speculative_algorithm="NONE",
+                     tensor_parallel_size=0)
 
 
 # ---- In this process: the fused layout and the errors. ---------------------------------

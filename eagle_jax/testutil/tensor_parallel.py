@@ -1,4 +1,5 @@
-"""Tensor-parallel runs of the target decoder in a process of its own, for tests.
+"""Tensor-parallel runs of the target decoder and of the engine in a process of their own,
+for tests.
 
 A host-platform device count is fixed when jax starts, so the test process (one CPU
 device) cannot grow a mesh: ``run_in_subprocess`` starts ``python -m
@@ -10,7 +11,8 @@ runs a ragged prefill through the paged KV cache, greedy decode steps and one dr
 verify (a block mask), and records the logits, greedy tokens, every parameter's and the
 KV pool's per-device shard shapes, layer 0's fused q/k/v shards, the collectives of the
 compiled decode step and ``module_tensors`` of the loaded and of a randomly initialised
-model.
+model. ``run_engines_in_subprocess`` runs whole engines (``Engine(tensor_parallel_size=)``)
+on a schedule of greedy requests instead.
 """
 
 from __future__ import annotations
@@ -30,8 +32,27 @@ def run_in_subprocess(model_dir: str, out_path: str, tp_sizes: tuple[int, ...], 
                       seed: int, devices: int = 4, decode_steps: int = 3,
                       timeout: float = 900) -> dict[str, np.ndarray]:
     """Runs ``main`` in a child with ``devices`` host devices; returns its arrays."""
-    request = dict(model_dir=model_dir, out=out_path, tp_sizes=list(tp_sizes), seed=seed,
-                   decode_steps=decode_steps)
+    return _child(dict(kind="decoder", model_dir=model_dir, out=out_path,
+                       tp_sizes=list(tp_sizes), seed=seed, decode_steps=decode_steps),
+                  devices, timeout)
+
+
+def run_engines_in_subprocess(target: str, draft: str, out_path: str, runs: list, *,
+                              schedule: list, config: dict, bad_sizes: tuple[int, ...] = (),
+                              devices: int = 4, timeout: float = 900) -> dict[str, np.ndarray]:
+    """Runs ``Engine``s in a child with ``devices`` host devices: for each (tensor-parallel
+    size, algorithm) of ``runs``, an engine of ``config`` ("EAGLE3": ``target`` and
+    ``draft``; "NONE": the target alone) runs ``schedule`` (``engine_schedule``'s).
+    Returns ``{tp}/{algorithm}/{request id}`` (its tokens), ``.../num_pages`` and
+    ``.../bytes_per_token`` (the pool, per device), and ``errors/{size}``: the ValueError
+    a plain engine raised at each of ``bad_sizes``."""
+    return _child(dict(kind="engine", target=target, draft=draft, out=out_path,
+                       runs=[list(r) for r in runs], schedule=schedule, config=config,
+                       bad_sizes=list(bad_sizes)), devices, timeout)
+
+
+def _child(request: dict, devices: int, timeout: float) -> dict[str, np.ndarray]:
+    out_path = request["out"]
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(request)], env=env,
@@ -136,16 +157,65 @@ def _run(model_dir: str, tp: int, seed: int, decode_steps: int) -> dict[str, np.
     return out
 
 
+def engine_schedule(engine, schedule: list) -> dict[str, list[int]]:
+    """Steps ``engine`` until every request of ``schedule`` — (join step, request id,
+    prompt, max tokens) — has finished, each greedy, joining at its step. Returns
+    request id -> its tokens."""
+    from eagle_jax import SamplingParams
+
+    out = {rid: [] for _, rid, _, _ in schedule}
+    done, step = set(), 0
+    while len(done) < len(schedule):
+        for join, rid, prompt, max_tokens in schedule:
+            if join == step:
+                engine.add_request(rid, prompt, SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                done.add(o.request_id)
+        step += 1
+        if step > 500:
+            raise RuntimeError(f"the schedule did not finish in 500 steps: {out}")
+    return out
+
+
+def _run_engines(request: dict) -> dict[str, np.ndarray]:
+    from eagle_jax.engine import Engine, EngineConfig
+
+    cfg, out = request["config"], {}
+    for tp, algo in request["runs"]:
+        engine = Engine(EngineConfig(
+            model=request["target"], speculative_algorithm=algo,
+            draft_model=request["draft"] if algo != "NONE" else None,
+            tensor_parallel_size=tp, **cfg))
+        for rid, tokens in engine_schedule(engine, request["schedule"]).items():
+            out[f"{tp}/{algo}/{rid}"] = np.array(tokens)
+        out[f"{tp}/{algo}/num_pages"] = np.array(engine.num_pages)
+        out[f"{tp}/{algo}/bytes_per_token"] = np.array(
+            engine.kv_bytes // (engine.num_pages * engine.page_size))
+    for tp in request["bad_sizes"]:
+        try:
+            Engine(EngineConfig(model=request["target"], speculative_algorithm="NONE",
+                                tensor_parallel_size=tp, **cfg))
+        except ValueError as e:
+            out[f"errors/{tp}"] = np.array(str(e))
+    return out
+
+
 def main(request: dict) -> None:
     import jax
 
     # As in tests/conftest.py: float32 matmuls at full precision.
     jax.config.update("jax_default_matmul_precision", "highest")
-    arrays = {}
-    for tp in request["tp_sizes"]:
-        for key, value in _run(request["model_dir"], tp, request["seed"],
-                               request["decode_steps"]).items():
-            arrays[f"tp{tp}/{key}"] = value
+    if request["kind"] == "engine":
+        arrays = _run_engines(request)
+    else:
+        arrays = {}
+        for tp in request["tp_sizes"]:
+            for key, value in _run(request["model_dir"], tp, request["seed"],
+                                   request["decode_steps"]).items():
+                arrays[f"tp{tp}/{key}"] = value
     np.savez(request["out"], **arrays)
 
 
