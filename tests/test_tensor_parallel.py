@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from eagle_jax import parallel
 from eagle_jax.checkpoint import CheckpointReader, fused_row_order
@@ -155,7 +156,7 @@ def engine_run(tiny_targets, tmp_path_factory):
     draft = write_tiny_eagle3_draft(str(root / "eagle3"), target)
     arrays = run_engines_in_subprocess(target, draft, str(root / "run.npz"), ENGINE_RUNS,
                                        schedule=ENGINE_SCHEDULE, config=ENGINE_CONFIG,
-                                       bad_sizes=(8, 3))
+                                       bad_sizes=(8, 3), export_run=(2, "EAGLE3"))
     return dict(arrays=arrays, target=target, draft=draft)
 
 
@@ -184,6 +185,24 @@ def test_engine_kv_pool_per_device_holds_each_devices_kv_heads(engine_run):
     assert a["2/NONE/num_pages"] == 2 * a["1/NONE/num_pages"]
     draft_bytes = [a[f"{tp}/EAGLE3/bytes_per_token"] - target_bytes[tp] for tp in (2, 4)]
     assert draft_bytes[0] == draft_bytes[1] > 0
+
+
+@pytest.mark.parametrize("platform", ("rocm", "cuda"))
+def test_engine_step_exports_with_its_shardings(engine_run, platform):
+    """The speculative step at tensor-parallel 2 exports for the GPU platforms (its
+    kernels on their Triton path): a 2-device module whose inputs keep the engine's
+    shardings (parameters by role, the target's pool by kv head, the rest replicated),
+    the paged attention of every layer in a shard_map body."""
+    a = engine_run["arrays"]
+    e = lambda key: a[f"export/{platform}/{key}"]
+    assert e("nr_devices") == 2
+    np.testing.assert_array_equal(e("in_specs"), a["export/arg_specs"])
+    specs = set(a["export/arg_specs"])
+    assert {str(parallel.KV_PAGES_SPEC), str(P("tp", None)), str(P(None, "tp")),
+            str(P())} <= specs, specs
+    # Draft proposal x 2, sampler x 2, norm-concat x 2, gathered LM head, paged attention.
+    assert e("triton_calls") >= 2 + 2 + 2 + 1 + 1, e("triton_calls")
+    assert e("paged_attention") > 0 and e("manual_computations") >= LAYERS
 
 
 def test_engine_bad_tensor_parallel_size_names_the_fix(engine_run):

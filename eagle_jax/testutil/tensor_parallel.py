@@ -39,16 +39,18 @@ def run_in_subprocess(model_dir: str, out_path: str, tp_sizes: tuple[int, ...], 
 
 def run_engines_in_subprocess(target: str, draft: str, out_path: str, runs: list, *,
                               schedule: list, config: dict, bad_sizes: tuple[int, ...] = (),
-                              devices: int = 4, timeout: float = 900) -> dict[str, np.ndarray]:
+                              export_run: tuple[int, str] | None = None, devices: int = 4, timeout: float = 900) -> dict[str, np.ndarray]:
     """Runs ``Engine``s in a child with ``devices`` host devices: for each (tensor-parallel
     size, algorithm) of ``runs``, an engine of ``config`` ("EAGLE3": ``target`` and
     ``draft``; "NONE": the target alone) runs ``schedule`` (``engine_schedule``'s).
     Returns ``{tp}/{algorithm}/{request id}`` (its tokens), ``.../num_pages`` and
-    ``.../bytes_per_token`` (the pool, per device), and ``errors/{size}``: the ValueError
-    a plain engine raised at each of ``bad_sizes``."""
+    ``.../bytes_per_token`` (the pool, per device), ``errors/{size}``: the ValueError
+    a plain engine raised at each of ``bad_sizes``, and ``export/...``: the step of the
+    ``export_run`` engine exported for ROCm and CUDA (``_export_step``)."""
     return _child(dict(kind="engine", target=target, draft=draft, out=out_path,
                        runs=[list(r) for r in runs], schedule=schedule, config=config,
-                       bad_sizes=list(bad_sizes)), devices, timeout, FAST_COMPILE_FLAGS)
+                       bad_sizes=list(bad_sizes), export_run=list(export_run or ())),
+                  devices, timeout, FAST_COMPILE_FLAGS)
 
 
 # The engines' steps are big programs that run a few times each: compiling them with
@@ -200,12 +202,43 @@ def _run_engines(request: dict) -> dict[str, np.ndarray]:
         out[f"{tp}/{algo}/num_pages"] = np.array(engine.num_pages)
         out[f"{tp}/{algo}/bytes_per_token"] = np.array(
             engine.kv_bytes // (engine.num_pages * engine.page_size))
+        if [tp, algo] == request["export_run"]:
+            out.update(_export_step(engine))
     for tp in request["bad_sizes"]:
         try:
             Engine(EngineConfig(model=request["target"], speculative_algorithm="NONE",
                                 tensor_parallel_size=tp, **cfg))
         except ValueError as e:
             out[f"errors/{tp}"] = np.array(str(e))
+    return out
+
+
+def _export_step(engine) -> dict[str, np.ndarray]:
+    """``export/{platform}/...`` of the engine's step (its smallest batch bucket) exported
+    for ROCm and CUDA: the Triton custom calls, shard_map bodies (per-shard kernels) and
+    devices of the module, and each input's PartitionSpec, the export's (``in_specs``)
+    and the engine's arrays' (``arg_specs``)."""
+    import jax
+
+    from eagle_jax.kernels._common import TRITON_CUSTOM_CALL
+    from eagle_jax.testutil.export import export
+
+    spec = lambda s: str(getattr(s, "spec", None))
+    args = engine.step_inputs()
+    out = {"export/arg_specs": np.array([spec(getattr(x, "sharding", None))
+                                         for x in jax.tree.leaves(args)])}
+    for platform, target in (("rocm", "gfx950"), ("cuda", "sm_90")):
+        exported = export(engine.step_function(engine.batch_buckets[0]), args, (2,),
+                          platform, target)
+        text = exported.mlir_module()
+        out[f"export/{platform}/triton_calls"] = np.array(
+            text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}"))
+        out[f"export/{platform}/paged_attention"] = np.array(text.count("paged_attention"))
+        out[f"export/{platform}/manual_computations"] = np.array(
+            text.count("sdy.manual_computation"))
+        out[f"export/{platform}/nr_devices"] = np.array(exported.nr_devices)
+        out[f"export/{platform}/in_specs"] = np.array(
+            [spec(s) for s in exported.in_shardings_jax(engine.mesh)])
     return out
 
 
