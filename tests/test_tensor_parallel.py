@@ -198,7 +198,8 @@ def test_engine_step_exports_with_its_shardings(engine_run, platform):
     assert e("nr_devices") == 2
     np.testing.assert_array_equal(e("in_specs"), a["export/arg_specs"])
     specs = set(a["export/arg_specs"])
-    assert {str(parallel.KV_PAGES_SPEC), str(P("tp", None)), str(P(None, "tp")),
+    # (An exported spec drops trailing Nones: the pool's is P(None, None, "tp").)
+    assert {str(P(None, None, "tp")), str(P("tp", None)), str(P(None, "tp")),
             str(P())} <= specs, specs
     # Draft proposal x 2, sampler x 2, norm-concat x 2, gathered LM head, paged attention.
     assert e("triton_calls") >= 2 + 2 + 2 + 1 + 1, e("triton_calls")
