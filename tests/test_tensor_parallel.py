@@ -24,7 +24,9 @@ from eagle_jax.engine import EngineConfig
 from eagle_jax.models.layers import FusedLinear
 from eagle_jax.testutil.models import tiny_config
 from eagle_jax.testutil.tensor_parallel import (
-    COLLECTIVES, run_engines_in_subprocess, run_in_subprocess)
+    COLLECTIVES, run_engines_in_subprocess, run_in_subprocess, run_sampling_in_subprocess)
+
+from . import test_engine_sampling as gof
 
 LAYERS = 2
 # (attention heads, kv heads): kv heads split over 2 and 4 devices; 2 kv heads at
@@ -213,6 +215,27 @@ def test_engine_bad_tensor_parallel_size_names_the_fix(engine_run):
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(model=engine_run["target"], speculative_algorithm="NONE",
                      tensor_parallel_size=0)
+
+
+# The goodness-of-fit test's checkpoints (a module fixture of its own).
+pair = gof.pair
+
+
+def test_engine_sampled_output_fits_the_target_at_tensor_parallel_2(pair, tmp_path):
+    """tests/test_engine_sampling.py's fit test of sampled speculative output (rejection
+    sampling with the draft's q, top-k / top-p filters), its engine at tensor-parallel 2."""
+    temperature, top_k, top_p = 0.7, 6, 0.9
+    a = run_sampling_in_subprocess(
+        *pair, str(tmp_path / "sample.npz"), 2,
+        config={**gof.ENGINE, "draft_sample_method": "probabilistic"}, prompt=gof.PROMPT,
+        num_requests=gof.NUM_REQUESTS,
+        params=dict(max_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p))
+    out = {str(i): list(t) for i, t in enumerate(a["tokens"])}
+    counts, expected = gof.fit_counts(pair[0], out, temperature, top_k, top_p)
+    pvalue, stat, dof = gof.chi_square_pvalue(counts.ravel(), expected.ravel())
+    assert pvalue > gof.ALPHA, (stat, dof, pvalue)
+    assert 0 < a["accepted"] < a["drafted"]
+    assert counts[expected == 0].sum() == 0
 
 
 # ---- In this process: the fused layout and the errors. ---------------------------------

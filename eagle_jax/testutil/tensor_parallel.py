@@ -12,7 +12,8 @@ verify (a block mask), and records the logits, greedy tokens, every parameter's 
 KV pool's per-device shard shapes, layer 0's fused q/k/v shards, the collectives of the
 compiled decode step and ``module_tensors`` of the loaded and of a randomly initialised
 model. ``run_engines_in_subprocess`` runs whole engines (``Engine(tensor_parallel_size=)``)
-on a schedule of greedy requests instead.
+on a schedule of greedy requests instead, ``run_sampling_in_subprocess`` one engine on
+many sampled requests.
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ def run_engines_in_subprocess(target: str, draft: str, out_path: str, runs: list
 # The engines' steps are big programs that run a few times each: compiling them with
 # LLVM's cheaper passes takes a third off the XLA compile time, most of such a child's.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def run_sampling_in_subprocess(target: str, draft: str, out_path: str, tp: int, *,
+                               config: dict, prompt: list[int], num_requests: int,
+                               params: dict, timeout: float = 900) -> dict[str, np.ndarray]:
+    """Runs ``testutil.sampling.sample_prompt`` on an engine of ``config`` (``target`` and
+    ``draft``) at tensor-parallel ``tp`` in a child with ``tp`` host devices. Returns
+    ``tokens`` [num_requests, max_tokens] (request i's in row i) and the engine's
+    ``accepted`` and ``drafted`` token counts."""
+    return _child(dict(kind="sample", target=target, draft=draft, out=out_path, tp=tp,
+                       config=config, prompt=prompt, num_requests=num_requests,
+                       params=params), tp, timeout, FAST_COMPILE_FLAGS)
 
 
 def _child(request: dict, devices: int, timeout: float, xla_flags: str = ""
@@ -242,6 +255,19 @@ def _export_step(engine) -> dict[str, np.ndarray]:
     return out
 
 
+def _run_sampling(request: dict) -> dict[str, np.ndarray]:
+    from eagle_jax.engine import Engine, EngineConfig
+    from eagle_jax.testutil.sampling import sample_prompt
+
+    engine = Engine(EngineConfig(model=request["target"], draft_model=request["draft"],
+                                 tensor_parallel_size=request["tp"], **request["config"]))
+    n = request["num_requests"]
+    out = sample_prompt(engine, request["prompt"], n, **request["params"])
+    return dict(tokens=np.array([out[str(i)] for i in range(n)]),
+                accepted=np.array(engine.stats.num_accepted_tokens),
+                drafted=np.array(engine.stats.num_draft_tokens))
+
+
 def main(request: dict) -> None:
     import jax
 
@@ -249,6 +275,8 @@ def main(request: dict) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     if request["kind"] == "engine":
         arrays = _run_engines(request)
+    elif request["kind"] == "sample":
+        arrays = _run_sampling(request)
     else:
         arrays = {}
         for tp in request["tp_sizes"]:
