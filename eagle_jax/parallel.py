@@ -137,6 +137,23 @@ def shard_params(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     return model
 
 
+def replicate_tree(tree, mesh: Mesh):
+    """Every array of ``tree`` replicated on the mesh's devices."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def replicate(module: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Places every variable of ``module`` replicated on the mesh (in place; returns it),
+    but for arrays already on the mesh (e.g. a draft's borrowed target embedding / LM
+    head keep their vocabulary-parallel sharding, no copy)."""
+    devices = set(mesh.devices.flat)
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Variable) and isinstance(var[...], jax.Array):
+            if var[...].sharding.device_set != devices:
+                var.set_value(replicate_tree(var[...], mesh))
+    return module
+
+
 def kv_pages_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of one KV pool layer [num_pages, page_size, kv_heads, head_dim]."""
     return NamedSharding(mesh, KV_PAGES_SPEC)

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-buckets", default=None,
                    help="comma-separated prompt chunk lengths compiled for prefill "
                         "(default: the engine's)")
+    g.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="devices the target is split over (a mesh of the first N local "
+                        "devices; default 1)")
     g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="default: float32 on a CPU, bfloat16 on a GPU")
     g.add_argument("--kv-cache-memory", type=_positive_int, default=None,
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             page_size=args.page_size,
             enable_prefix_caching=not args.no_prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            tensor_parallel_size=args.tensor_parallel_size,
             dtype=args.dtype,
             kv_cache_memory=args.kv_cache_memory,
             kv_cache_memory_fraction=args.kv_cache_memory_fraction,

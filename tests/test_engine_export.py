@@ -5,11 +5,11 @@ sizes of a GPU of that platform (``compiled_kernels(target=)``), so the exported
 carries the same Triton custom calls an MI300X / MI355X or an NVIDIA GPU would compile.
 """
 
-import jax
 import pytest
 
 from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
+from eagle_jax.kernels._common import TRITON_CUSTOM_CALL
+from eagle_jax.testutil.export import export as _export
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +34,6 @@ def _engine(checkpoints, **kw):
 @pytest.fixture(scope="module")
 def engine(checkpoints):
     return _engine(checkpoints)
-
-
-def _export(fn, args, donate, platform, target):
-    """``fn`` jitted (``donate`` argnums) and exported for ``platform`` with the kernels
-    compiled for ``target``."""
-    with compiled_kernels(target=target):
-        return jax.export.export(
-            jax.jit(fn, donate_argnums=donate), platforms=[platform],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
-        )(*args)
 
 
 def _export_step(engine, platform, target, **kw):

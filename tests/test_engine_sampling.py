@@ -23,16 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.models.decoder import load_decoder
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
+from eagle_jax.testutil.sampling import sample_prompt
 
 VOCAB = 16
 PROMPT = [3, 9, 4, 11]
 NUM_REQUESTS = 4000
 ALPHA = 1e-3
+# The engine of every case (tests/test_tensor_parallel.py runs it at tensor-parallel 2).
+ENGINE = dict(speculative_algorithm="EAGLE3", num_steps=3, dtype="float32", max_model_len=32,
+              max_num_seqs=64, batch_buckets=(64,), prefill_buckets=(8,),
+              compilation_cache_dir="")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def _exact_joint(target_dir, temperature, top_k, top_p):
     return np.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
-def _chi_square_pvalue(counts, expected):
+def chi_square_pvalue(counts, expected):
     """Pools cells with expected count < 5 into one, then the chi-square survival value."""
     small = expected < 5
     obs = np.append(counts[~small], counts[small].sum())
@@ -85,35 +89,32 @@ def _run(pair, method, temperature, top_k, top_p, max_tokens, hook=None, switchi
     target, draft = pair
     lengths = dict(speculative_policy="adaptive", draft_lengths=(0, 1, 2, 3),
                    precompile=False) if switching else {}
-    engine = Engine(EngineConfig(
-        model=target, draft_model=draft, speculative_algorithm="EAGLE3", num_steps=3,
-        draft_sample_method=method, dtype="float32", max_model_len=32, max_num_seqs=64,
-        batch_buckets=(64,), prefill_buckets=(8,), compilation_cache_dir="", **lengths),
-        draft_probs_hook=hook)
+    engine = Engine(EngineConfig(model=target, draft_model=draft, draft_sample_method=method,
+                                 **ENGINE, **lengths), draft_probs_hook=hook)
     if switching:
         from .test_draft_policy import ScriptedLengths
 
         engine.draft_policy = ScriptedLengths((0, 1, 2, 3), seed=7)
-    for i in range(NUM_REQUESTS):
-        engine.add_request(str(i), PROMPT, SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
-            seed=1000 + i, ignore_eos=True))
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    out = sample_prompt(engine, PROMPT, NUM_REQUESTS, max_tokens, temperature=temperature,
+                        top_k=top_k, top_p=top_p)
     assert len(out) == NUM_REQUESTS and all(len(v) == max_tokens for v in out.values())
     return engine, out
 
 
-def _sample(pair, method, temperature, top_k, top_p, hook=None, switching=False):
-    engine, out = _run(pair, method, temperature, top_k, top_p, 3, hook, switching)
+def fit_counts(target_dir, out, temperature, top_k, top_p):
+    """(counts, expected): the (t2, t3) pairs of ``out`` (id -> 3 tokens) and their
+    expected counts under the target, [V, V] each."""
     counts = np.zeros((VOCAB, VOCAB))
     for toks in out.values():
         counts[toks[1], toks[2]] += 1
-    expected = _exact_joint(pair[0], temperature, TOP_K_ALL if top_k < 0 else top_k,
-                            top_p) * NUM_REQUESTS
-    return engine, counts, expected
+    expected = _exact_joint(target_dir, temperature, TOP_K_ALL if top_k < 0 else top_k,
+                            top_p) * len(out)
+    return counts, expected
+
+
+def _sample(pair, method, temperature, top_k, top_p, hook=None, switching=False):
+    engine, out = _run(pair, method, temperature, top_k, top_p, 3, hook, switching)
+    return (engine, *fit_counts(pair[0], out, temperature, top_k, top_p))
 
 
 @pytest.mark.parametrize("method, temperature, top_k, top_p, switching", [
@@ -128,7 +129,7 @@ def _sample(pair, method, temperature, top_k, top_p, hook=None, switching=False)
 def test_sampled_tokens_follow_the_target(pair, method, temperature, top_k, top_p, switching):
     engine, counts, expected = _sample(pair, method, temperature, top_k, top_p,
                                        switching=switching)
-    pvalue, stat, dof = _chi_square_pvalue(counts.ravel(), expected.ravel())
+    pvalue, stat, dof = chi_square_pvalue(counts.ravel(), expected.ravel())
     assert pvalue > ALPHA, (stat, dof, pvalue)
     # The step both accepted and rejected draft tokens, so both paths were exercised.
     s = engine.stats
@@ -141,7 +142,7 @@ def test_the_fit_test_detects_a_biased_sampler(pair):
     """The same test on a deliberately wrong accept rule (q halved: over-acceptance of
     draft tokens) must reject: the test has power, it is not vacuous."""
     _, counts, expected = _sample(pair, "probabilistic", 1.0, -1, 1.0, hook=lambda q: q * 0.5)
-    pvalue, _, _ = _chi_square_pvalue(counts.ravel(), expected.ravel())
+    pvalue, _, _ = chi_square_pvalue(counts.ravel(), expected.ravel())
     assert pvalue < ALPHA
 
 

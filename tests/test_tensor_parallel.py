@@ -1,4 +1,4 @@
-"""Tensor parallelism of the target decoder (``eagle_jax.parallel``).
+"""Tensor parallelism of the target decoder (``eagle_jax.parallel``) and of the engine.
 
 The mesh runs need several devices, which a CPU process has only when XLA_FLAGS says so
 before jax starts: they run in a child process with 4 host devices
@@ -15,13 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from eagle_jax import parallel
 from eagle_jax.checkpoint import CheckpointReader, fused_row_order
 from eagle_jax.config import ModelConfig
+from eagle_jax.engine import EngineConfig
 from eagle_jax.models.layers import FusedLinear
 from eagle_jax.testutil.models import tiny_config
-from eagle_jax.testutil.tensor_parallel import COLLECTIVES, run_in_subprocess
+from eagle_jax.testutil.tensor_parallel import (
+    COLLECTIVES, run_engines_in_subprocess, run_in_subprocess, run_sampling_in_subprocess)
+
+from . import test_engine_sampling as gof
 
 LAYERS = 2
 # (attention heads, kv heads): kv heads split over 2 and 4 devices; 2 kv heads at
@@ -125,6 +130,112 @@ def test_saved_tensors_are_the_checkpoint_and_init_is_shard_count_free(tp_run, t
     for name in saved:
         np.testing.assert_array_equal(a[f"tp{tp}/saved:{name}"], reader.get(name), name)
         np.testing.assert_array_equal(a[f"tp{tp}/init:{name}"], a[f"tp1/init:{name}"], name)
+
+
+# ---- The engine at tensor-parallel 2 and 4 (one child process). ------------------------
+
+# Two requests of different lengths, the second joining at step 2 while the first decodes
+# (its prompt chunk rides in the decode step), on the kv2 target: at tensor-parallel 4 its
+# 2 kv heads are each replicated on 2 devices. Greedy speculative output equals the
+# target's alone (tests/test_engine.py), so the plain engine at tensor-parallel 1 is the
+# reference of all four.
+ENGINE_SCHEDULE = [(0, "a", [5, 9, 13, 21, 40, 7, 88], 9),
+                   (2, "b", [3, 4, 5, 6, 100, 101, 102, 103, 104, 7, 8, 9, 30, 31], 6)]
+ENGINE_RUNS = [(1, "NONE"), (2, "NONE"), (2, "EAGLE3"), (4, "NONE"), (4, "EAGLE3")]
+KV_BUDGET = 1 << 20
+ENGINE_CONFIG = dict(dtype="float32", max_model_len=64, max_num_seqs=2, batch_buckets=(2,),
+                     prefill_buckets=(16,), page_size=16, num_steps=2, precompile=False,
+                     compilation_cache_dir="", kv_cache_memory=KV_BUDGET)
+
+
+@pytest.fixture(scope="module")
+def engine_run(tiny_targets, tmp_path_factory):
+    from eagle_jax.testutil.drafts import write_tiny_eagle3_draft
+
+    heads, kv_heads = HEAD_CASES["kv2"]
+    target = tiny_targets("llama", num_heads=heads, num_kv_heads=kv_heads, num_layers=LAYERS)
+    root = tmp_path_factory.mktemp("tp_engine")
+    draft = write_tiny_eagle3_draft(str(root / "eagle3"), target)
+    arrays = run_engines_in_subprocess(target, draft, str(root / "run.npz"), ENGINE_RUNS,
+                                       schedule=ENGINE_SCHEDULE, config=ENGINE_CONFIG,
+                                       bad_sizes=(8, 3), export_run=(2, "EAGLE3"))
+    return dict(arrays=arrays, target=target, draft=draft)
+
+
+@pytest.mark.parametrize("tp,algo", [r for r in ENGINE_RUNS if r[0] > 1])
+def test_engine_greedy_output_equals_tensor_parallel_1(engine_run, tp, algo):
+    a = engine_run["arrays"]
+    for _, rid, _, max_tokens in ENGINE_SCHEDULE:
+        ref = a[f"1/NONE/{rid}"]
+        assert len(ref) == max_tokens
+        np.testing.assert_array_equal(a[f"{tp}/{algo}/{rid}"], ref, err_msg=rid)
+
+
+def test_engine_kv_pool_per_device_holds_each_devices_kv_heads(engine_run):
+    """A device stores max(K, N) / N of the target's kv heads (kv heads replicated when
+    N > K) and the whole replicated draft pool: the same per-device budget holds that
+    much more of the target's tokens."""
+    a = engine_run["arrays"]
+    cfg = ModelConfig.from_dir(engine_run["target"])
+    page = ENGINE_CONFIG["page_size"]
+    target_bytes = {}
+    for tp in (1, 2, 4):
+        kv_per_device = max(cfg.num_kv_heads, tp) // tp
+        target_bytes[tp] = 2 * cfg.num_layers * kv_per_device * cfg.head_dim * 4  # float32
+        assert a[f"{tp}/NONE/bytes_per_token"] == target_bytes[tp], tp
+        assert a[f"{tp}/NONE/num_pages"] == KV_BUDGET // (target_bytes[tp] * page), tp
+    assert a["2/NONE/num_pages"] == 2 * a["1/NONE/num_pages"]
+    draft_bytes = [a[f"{tp}/EAGLE3/bytes_per_token"] - target_bytes[tp] for tp in (2, 4)]
+    assert draft_bytes[0] == draft_bytes[1] > 0
+
+
+@pytest.mark.parametrize("platform", ("rocm", "cuda"))
+def test_engine_step_exports_with_its_shardings(engine_run, platform):
+    """The speculative step at tensor-parallel 2 exports for the GPU platforms (its
+    kernels on their Triton path): a 2-device module whose inputs keep the engine's
+    shardings (parameters by role, the target's pool by kv head, the rest replicated),
+    the paged attention of every layer in a shard_map body."""
+    a = engine_run["arrays"]
+    e = lambda key: a[f"export/{platform}/{key}"]
+    assert e("nr_devices") == 2
+    np.testing.assert_array_equal(e("in_specs"), a["export/arg_specs"])
+    specs = set(a["export/arg_specs"])
+    # (An exported spec drops trailing Nones: the pool's is P(None, None, "tp").)
+    assert {str(P(None, None, "tp")), str(P("tp", None)), str(P(None, "tp")),
+            str(P())} <= specs, specs
+    # Draft proposal x 2, sampler x 2, norm-concat x 2, gathered LM head, paged attention.
+    assert e("triton_calls") >= 2 + 2 + 2 + 1 + 1, e("triton_calls")
+    assert e("paged_attention") > 0 and e("manual_computations") >= LAYERS
+
+
+def test_engine_bad_tensor_parallel_size_names_the_fix(engine_run):
+    a = engine_run["arrays"]
+    assert "use at most 4" in str(a["errors/8"])
+    assert "does not divide the model's 8 attention heads; use" in str(a["errors/3"])
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(model=engine_run["target"], speculative_algorithm="NONE",
+                     tensor_parallel_size=0)
+
+
+# The goodness-of-fit test's checkpoints (a module fixture of its own).
+pair = gof.pair
+
+
+def test_engine_sampled_output_fits_the_target_at_tensor_parallel_2(pair, tmp_path):
+    """tests/test_engine_sampling.py's fit test of sampled speculative output (rejection
+    sampling with the draft's q, top-k / top-p filters), its engine at tensor-parallel 2."""
+    temperature, top_k, top_p = 0.7, 6, 0.9
+    a = run_sampling_in_subprocess(
+        *pair, str(tmp_path / "sample.npz"), 2,
+        config={**gof.ENGINE, "draft_sample_method": "probabilistic"}, prompt=gof.PROMPT,
+        num_requests=gof.NUM_REQUESTS,
+        params=dict(max_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p))
+    out = {str(i): list(t) for i, t in enumerate(a["tokens"])}
+    counts, expected = gof.fit_counts(pair[0], out, temperature, top_k, top_p)
+    pvalue, stat, dof = gof.chi_square_pvalue(counts.ravel(), expected.ravel())
+    assert pvalue > gof.ALPHA, (stat, dof, pvalue)
+    assert 0 < a["accepted"] < a["drafted"]
+    assert counts[expected == 0].sum() == 0
 
 
 # ---- In this process: the fused layout and the errors. ---------------------------------

@@ -64,9 +64,14 @@ class EngineConfig:
         progress). A long prompt is prefilled a chunk per step while the running
         requests keep decoding. None = the backend's default (``for_backend``).
       batch_buckets / prefill_buckets: compiled batch sizes and prompt chunk lengths.
-      kv_cache_memory: KV pool budget in bytes; kv_cache_memory_fraction: or this share
+      kv_cache_memory: KV pool budget in bytes (per device: tensor-parallel, each device
+        holds its kv heads' share of the pool); kv_cache_memory_fraction: or this share
         of the free device memory (a GPU; default 0.75 there). On a CPU without either,
         the pool holds max_num_seqs requests of max_model_len.
+      tensor_parallel_size: N, devices the target is split over (``eagle_jax.parallel``:
+        a mesh of the first N local devices; 1 = one device, no mesh). It must divide the
+        target's attention heads and MLP width and divide or be a multiple of its kv heads
+        (checked when the engine loads the target).
       dtype: parameter and activation dtype ("bfloat16" or "float32"); None = the
         backend's default (float32 on a CPU, bfloat16 on a GPU).
       precompile: compile every bucket at start (with a progress bar).
@@ -96,6 +101,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float | None = None
+    tensor_parallel_size: int = 1
     dtype: str | None = None
     seed: int = 0
     precompile: bool = True
@@ -182,6 +188,10 @@ class EngineConfig:
             raise ValueError("synthetic_acceptance must be in [0, 1]")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer (1 = one "
+                             f"device), got {tp!r}")
 
     @property
     def speculative(self) -> bool:

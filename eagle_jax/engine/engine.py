@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from eagle_jax import parallel
 from eagle_jax.config import ModelConfig, resolve_dtype
 from eagle_jax.engine import step as step_lib
 from eagle_jax.engine.config import CPU_MAX_MODEL_LEN, EngineConfig
@@ -163,13 +164,17 @@ class Engine:
         _enable_compilation_cache(config.compilation_cache_dir)
         dtype = resolve_dtype(config.dtype)
         self.dtype = dtype
-        self.target: Decoder = target if target is not None else load_decoder(config.model, dtype)
+        self.mesh = self._make_mesh(target)
+        self.target: Decoder = target if target is not None else load_decoder(
+            config.model, dtype, mesh=self.mesh)
         self.model_config: ModelConfig = self.target.config
         self.draft = draft
         if config.speculative and draft is None:
             from eagle_jax.models.draft_checkpoint import load_draft
 
             self.draft = load_draft(config.draft_model, self.target, dtype)
+        if self.mesh is not None and self.draft is not None:
+            parallel.replicate(self.draft, self.mesh)
         if self.draft is not None:
             if self.draft.kind != config.speculative_algorithm:
                 raise ValueError(
@@ -250,6 +255,32 @@ class Engine:
 
         return Tokenizer.from_dir(self.config.model)
 
+    def _make_mesh(self, target: Decoder | None):
+        """The tensor-parallel mesh (``parallel.make_mesh``) of ``tensor_parallel_size``
+        devices; None at 1. A caller's ``target`` brings its own mesh, which must match.
+
+        With a mesh, the target is split over it (``parallel``), its KV pool by kv head;
+        the draft (its parameters, its pool) and every other state array are replicated
+        on it, so each executable sees one device set and XLA's SPMD partitioner splits
+        the one jitted step. The draft stays replicated for now, the simple correct
+        choice (it is small: one layer); whether sharding it is faster is for a
+        measurement on GPUs. Likewise the sampler, the draft's LM head and the
+        norm / concat of the EAGLE-3 features run on gathered (replicated) values:
+        correct, and a per-shard vocabulary reduction is left for measurement.
+        """
+        n = self.config.tensor_parallel_size
+        if target is not None:
+            if parallel.tensor_parallel_size(target.mesh) != n:
+                raise ValueError(
+                    f"the target given was built for tensor-parallel size "
+                    f"{parallel.tensor_parallel_size(target.mesh)}, the config asks for {n}: "
+                    f"build it with Decoder(mesh=parallel.make_mesh({n})) or set "
+                    f"tensor_parallel_size to match")
+            return target.mesh
+        if n == 1:
+            return None
+        return parallel.make_mesh(n, ModelConfig.from_dir(self.config.model))
+
     def _model_limit(self) -> int:
         """The context limit: the target's max_position_embeddings. A draft trained on
         shorter sequences does not cap it: it runs past its training length with its
@@ -263,10 +294,16 @@ class Engine:
         return limit
 
     def _bytes_per_token(self) -> int:
-        """KV bytes of one position: the target's layers plus the draft's."""
+        """KV bytes of one position on each device: the target's layers plus the draft's.
+
+        Tensor-parallel over N devices, a device stores the target's pool kv heads
+        (``num_kv_heads * kv_replicas``) / N of them, so a per-device budget holds up to
+        N times the tokens; the draft's pool is replicated, whole on every device."""
         cfg = self.model_config
-        per_token = KVPages.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                            self.dtype)
+        per_token = KVPages.bytes_per_token(
+            cfg.num_layers,
+            self.target.pool_kv_heads // parallel.tensor_parallel_size(self.mesh),
+            cfg.head_dim, self.dtype)
         if self.draft is not None:
             c = self.draft.config
             per_token += KVPages.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
@@ -331,8 +368,8 @@ class Engine:
                        lag_tokens=jnp.zeros((n, step_lib.MAX_DRAFT_LAG), jnp.int32),
                        lag_features=jnp.zeros((n, step_lib.MAX_DRAFT_LAG,
                                                self._feature_width()), self.dtype))
-        return step_lib.DecodeState(
-            target_pages=target_pages, draft_pages=draft_pages,
+        state = step_lib.DecodeState(
+            target_pages=None, draft_pages=draft_pages,
             page_table=jnp.zeros((n, self.max_pages), jnp.int32),
             seq_len=jnp.zeros((n,), jnp.int32), last_token=jnp.zeros((n,), jnp.int32),
             draft_hidden=draft_hidden, draft_logits=draft_logits,
@@ -341,6 +378,9 @@ class Engine:
             synthetic_acceptance=(None if self.config.synthetic_acceptance is None
                                   else jnp.float32(self.config.synthetic_acceptance)),
             **lag)
+        if self.mesh is not None:  # target_pages, sharded by kv head, are already placed
+            state = parallel.replicate_tree(state, self.mesh)
+        return state._replace(target_pages=target_pages)
 
     def set_synthetic_acceptance(self, rate: float) -> None:
         """Benchmarks: the acceptance of an engine built with ``synthetic_acceptance``,

@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compiled batch buckets (default: the engine's)")
     g.add_argument("--prefill-buckets", type=_int_list, default=None,
                    help="compiled prefill chunk lengths (default: the engine's)")
+    g.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                   help="devices the target is split over (default 1)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache ('' disables; default: the engine's)")
     g = p.add_argument_group("output")
@@ -275,7 +277,8 @@ def _engine_config(args, target, draft, algo, setting: Setting):
     kw = dict(model=target, draft_model=draft if algo != "NONE" else None,
               speculative_algorithm=algo, num_steps=setting.num_steps,
               max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
-              dtype=args.dtype, seed=args.seed)
+              dtype=args.dtype, seed=args.seed,
+              tensor_parallel_size=args.tensor_parallel_size)
     if setting.is_tree:
         kw.update(speculative_eagle_topk=setting.topk,
                   num_draft_tokens=setting.num_draft_tokens,

@@ -1,4 +1,5 @@
-"""Tensor-parallel runs of the target decoder in a process of its own, for tests.
+"""Tensor-parallel runs of the target decoder and of the engine in a process of their own,
+for tests.
 
 A host-platform device count is fixed when jax starts, so the test process (one CPU
 device) cannot grow a mesh: ``run_in_subprocess`` starts ``python -m
@@ -10,7 +11,9 @@ runs a ragged prefill through the paged KV cache, greedy decode steps and one dr
 verify (a block mask), and records the logits, greedy tokens, every parameter's and the
 KV pool's per-device shard shapes, layer 0's fused q/k/v shards, the collectives of the
 compiled decode step and ``module_tensors`` of the loaded and of a randomly initialised
-model.
+model. ``run_engines_in_subprocess`` runs whole engines (``Engine(tensor_parallel_size=)``)
+on a schedule of greedy requests instead, ``run_sampling_in_subprocess`` one engine on
+many sampled requests.
 """
 
 from __future__ import annotations
@@ -30,10 +33,49 @@ def run_in_subprocess(model_dir: str, out_path: str, tp_sizes: tuple[int, ...], 
                       seed: int, devices: int = 4, decode_steps: int = 3,
                       timeout: float = 900) -> dict[str, np.ndarray]:
     """Runs ``main`` in a child with ``devices`` host devices; returns its arrays."""
-    request = dict(model_dir=model_dir, out=out_path, tp_sizes=list(tp_sizes), seed=seed,
-                   decode_steps=decode_steps)
+    return _child(dict(kind="decoder", model_dir=model_dir, out=out_path,
+                       tp_sizes=list(tp_sizes), seed=seed, decode_steps=decode_steps),
+                  devices, timeout)
+
+
+def run_engines_in_subprocess(target: str, draft: str, out_path: str, runs: list, *,
+                              schedule: list, config: dict, bad_sizes: tuple[int, ...] = (),
+                              export_run: tuple[int, str] | None = None, devices: int = 4, timeout: float = 900) -> dict[str, np.ndarray]:
+    """Runs ``Engine``s in a child with ``devices`` host devices: for each (tensor-parallel
+    size, algorithm) of ``runs``, an engine of ``config`` ("EAGLE3": ``target`` and
+    ``draft``; "NONE": the target alone) runs ``schedule`` (``engine_schedule``'s).
+    Returns ``{tp}/{algorithm}/{request id}`` (its tokens), ``.../num_pages`` and
+    ``.../bytes_per_token`` (the pool, per device), ``errors/{size}``: the ValueError
+    a plain engine raised at each of ``bad_sizes``, and ``export/...``: the step of the
+    ``export_run`` engine exported for ROCm and CUDA (``_export_step``)."""
+    return _child(dict(kind="engine", target=target, draft=draft, out=out_path,
+                       runs=[list(r) for r in runs], schedule=schedule, config=config,
+                       bad_sizes=list(bad_sizes), export_run=list(export_run or ())),
+                  devices, timeout, FAST_COMPILE_FLAGS)
+
+
+# The engines' steps are big programs that run a few times each: compiling them with
+# LLVM's cheaper passes takes a third off the XLA compile time, most of such a child's.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def run_sampling_in_subprocess(target: str, draft: str, out_path: str, tp: int, *,
+                               config: dict, prompt: list[int], num_requests: int,
+                               params: dict, timeout: float = 900) -> dict[str, np.ndarray]:
+    """Runs ``testutil.sampling.sample_prompt`` on an engine of ``config`` (``target`` and
+    ``draft``) at tensor-parallel ``tp`` in a child with ``tp`` host devices. Returns
+    ``tokens`` [num_requests, max_tokens] (request i's in row i) and the engine's
+    ``accepted`` and ``drafted`` token counts."""
+    return _child(dict(kind="sample", target=target, draft=draft, out=out_path, tp=tp,
+                       config=config, prompt=prompt, num_requests=num_requests,
+                       params=params), tp, timeout, FAST_COMPILE_FLAGS)
+
+
+def _child(request: dict, devices: int, timeout: float, xla_flags: str = ""
+           ) -> dict[str, np.ndarray]:
+    out_path = request["out"]
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {xla_flags}")
     proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(request)], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
@@ -136,16 +178,111 @@ def _run(model_dir: str, tp: int, seed: int, decode_steps: int) -> dict[str, np.
     return out
 
 
+def engine_schedule(engine, schedule: list) -> dict[str, list[int]]:
+    """Steps ``engine`` until every request of ``schedule`` — (join step, request id,
+    prompt, max tokens) — has finished, each greedy, joining at its step. Returns
+    request id -> its tokens."""
+    from eagle_jax import SamplingParams
+
+    out = {rid: [] for _, rid, _, _ in schedule}
+    done, step = set(), 0
+    while len(done) < len(schedule):
+        for join, rid, prompt, max_tokens in schedule:
+            if join == step:
+                engine.add_request(rid, prompt, SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                done.add(o.request_id)
+        step += 1
+        if step > 500:
+            raise RuntimeError(f"the schedule did not finish in 500 steps: {out}")
+    return out
+
+
+def _run_engines(request: dict) -> dict[str, np.ndarray]:
+    from eagle_jax.engine import Engine, EngineConfig
+
+    cfg, out = request["config"], {}
+    for tp, algo in request["runs"]:
+        engine = Engine(EngineConfig(
+            model=request["target"], speculative_algorithm=algo,
+            draft_model=request["draft"] if algo != "NONE" else None,
+            tensor_parallel_size=tp, **cfg))
+        for rid, tokens in engine_schedule(engine, request["schedule"]).items():
+            out[f"{tp}/{algo}/{rid}"] = np.array(tokens)
+        out[f"{tp}/{algo}/num_pages"] = np.array(engine.num_pages)
+        out[f"{tp}/{algo}/bytes_per_token"] = np.array(
+            engine.kv_bytes // (engine.num_pages * engine.page_size))
+        if [tp, algo] == request["export_run"]:
+            out.update(_export_step(engine))
+    for tp in request["bad_sizes"]:
+        try:
+            Engine(EngineConfig(model=request["target"], speculative_algorithm="NONE",
+                                tensor_parallel_size=tp, **cfg))
+        except ValueError as e:
+            out[f"errors/{tp}"] = np.array(str(e))
+    return out
+
+
+def _export_step(engine) -> dict[str, np.ndarray]:
+    """``export/{platform}/...`` of the engine's step (its smallest batch bucket) exported
+    for ROCm and CUDA: the Triton custom calls, shard_map bodies (per-shard kernels) and
+    devices of the module, and each input's PartitionSpec, the export's (``in_specs``)
+    and the engine's arrays' (``arg_specs``)."""
+    import jax
+
+    from eagle_jax.kernels._common import TRITON_CUSTOM_CALL
+    from eagle_jax.testutil.export import export
+
+    spec = lambda s: str(getattr(s, "spec", None))
+    args = engine.step_inputs()
+    out = {"export/arg_specs": np.array([spec(getattr(x, "sharding", None))
+                                         for x in jax.tree.leaves(args)])}
+    for platform, target in (("rocm", "gfx950"), ("cuda", "sm_90")):
+        exported = export(engine.step_function(engine.batch_buckets[0]), args, (2,),
+                          platform, target)
+        text = exported.mlir_module()
+        out[f"export/{platform}/triton_calls"] = np.array(
+            text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}"))
+        out[f"export/{platform}/paged_attention"] = np.array(text.count("paged_attention"))
+        out[f"export/{platform}/manual_computations"] = np.array(
+            text.count("sdy.manual_computation"))
+        out[f"export/{platform}/nr_devices"] = np.array(exported.nr_devices)
+        out[f"export/{platform}/in_specs"] = np.array(
+            [spec(s) for s in exported.in_shardings_jax(engine.mesh)])
+    return out
+
+
+def _run_sampling(request: dict) -> dict[str, np.ndarray]:
+    from eagle_jax.engine import Engine, EngineConfig
+    from eagle_jax.testutil.sampling import sample_prompt
+
+    engine = Engine(EngineConfig(model=request["target"], draft_model=request["draft"],
+                                 tensor_parallel_size=request["tp"], **request["config"]))
+    n = request["num_requests"]
+    out = sample_prompt(engine, request["prompt"], n, **request["params"])
+    return dict(tokens=np.array([out[str(i)] for i in range(n)]),
+                accepted=np.array(engine.stats.num_accepted_tokens),
+                drafted=np.array(engine.stats.num_draft_tokens))
+
+
 def main(request: dict) -> None:
     import jax
 
     # As in tests/conftest.py: float32 matmuls at full precision.
     jax.config.update("jax_default_matmul_precision", "highest")
-    arrays = {}
-    for tp in request["tp_sizes"]:
-        for key, value in _run(request["model_dir"], tp, request["seed"],
-                               request["decode_steps"]).items():
-            arrays[f"tp{tp}/{key}"] = value
+    if request["kind"] == "engine":
+        arrays = _run_engines(request)
+    elif request["kind"] == "sample":
+        arrays = _run_sampling(request)
+    else:
+        arrays = {}
+        for tp in request["tp_sizes"]:
+            for key, value in _run(request["model_dir"], tp, request["seed"],
+                                   request["decode_steps"]).items():
+                arrays[f"tp{tp}/{key}"] = value
     np.savez(request["out"], **arrays)
 
 
