@@ -12,6 +12,7 @@ import contextlib
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 # The custom-call target the Pallas Triton lowering emits, on CUDA and ROCm alike.
 # jax.export refuses to serialise it unless told (it carries no compatibility
@@ -147,3 +148,35 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
   return -(-a // b)
+
+
+# Index larger than any vocabulary column or tree node index: the identity of a "first
+# index" min.
+NO_INDEX = 1 << 30
+
+
+def inverse_cdf_init():
+  """The carry of an inverse-CDF draw before its first block (``inverse_cdf_block``)."""
+  return jnp.float32(0.0), jnp.int32(NO_INDEX), jnp.int32(-1)
+
+
+def inverse_cdf_block(carry, cols, w, target):
+  """One block of an inverse-CDF draw over unnormalised weights, blocks visited in
+  increasing column order: ``w`` [block] at columns ``cols`` [block]. ``carry``: the
+  weight of the blocks before, the first column whose cumulative weight exceeds
+  ``target`` (NO_INDEX until found), the last column of positive weight (-1: none)."""
+  running, found, last_pos = carry
+  csum = running + jnp.cumsum(w)
+  first = jnp.min(jnp.where((csum > target) & (w > 0.0), cols, NO_INDEX))
+  found = jnp.where(found == NO_INDEX, first, found)
+  last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(w > 0.0, cols, -1)))
+  return running + jnp.sum(w), found, last_pos
+
+
+def inverse_cdf_token(carry):
+  """The drawn column after the last block: the first column past ``target``, or, when
+  rounding left the target at or past the summed weight, the last column of positive
+  weight (-1 when every weight was 0)."""
+  _, found, last_pos = carry
+  return jnp.where(found != NO_INDEX, found, last_pos).astype(jnp.int32)
+

@@ -85,8 +85,7 @@ from eagle_jax.sampling import SamplingRows
 
 PAD_TOKEN = -1
 
-# Index larger than any vocabulary column: the identity of a "first index" min.
-_NO_INDEX = 1 << 30
+_NO_INDEX = _common.NO_INDEX
 
 # The batch CHUNK is sized for (see _block_sizes): 64 sampling rows, 152064 columns.
 _SIZING_ROWS = 64
@@ -339,20 +338,13 @@ def _finish_kernel(
     base = pick * chunk
 
     def body(k, carry):
-      running, found, last_pos = carry
       cols = base + k * block + jnp.arange(block, dtype=jnp.int32)
       r, p, _ = _residual_block(
           b, j, cols, tok_ref, p_ref, q_refs, num_draft=num_draft, vocab_size=vocab_size)
-      w = jnp.where(fallback, p, r)
-      csum = running + jnp.cumsum(w)
-      first = jnp.min(jnp.where((csum > local_target) & (w > 0.0), cols, _NO_INDEX))
-      found = jnp.where(found == _NO_INDEX, first, found)
-      last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(w > 0.0, cols, -1)))
-      return running + jnp.sum(w), found, last_pos
+      return _common.inverse_cdf_block(carry, cols, jnp.where(fallback, p, r), local_target)
 
-    _, found, last_pos = lax.fori_loop(
-        0, chunk // block, body, (jnp.float32(0.0), jnp.int32(_NO_INDEX), jnp.int32(-1)))
-    return jnp.where(found != _NO_INDEX, found, last_pos).astype(jnp.int32)
+    return _common.inverse_cdf_token(
+        lax.fori_loop(0, chunk // block, body, _common.inverse_cdf_init()))
 
   do_draw = active & ~greedy & (last_nonempty >= 0)
   token_s = lax.cond(do_draw, draw, lambda: uniform_token)

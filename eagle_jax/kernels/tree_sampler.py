@@ -120,9 +120,7 @@ from eagle_jax.kernels.filters import sample_from_probs
 
 PAD_TOKEN = -1
 
-# Index larger than any node index or vocabulary column: the identity of a "first
-# index" min.
-_NO_INDEX = 1 << 30
+_NO_INDEX = _common.NO_INDEX
 
 # Row flags passed to the kernel (one int32 per row).
 _ACTIVE = 1
@@ -472,21 +470,14 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
     draw = stop & sampling & (total > 0.0)
 
     def draw_pass(k, acc_d):
-      running, found, last_pos = acc_d
       cols = k * block + jnp.arange(block, dtype=jnp.int32)
       in_vocab = cols < vocab_size
       w = jnp.where(fallback, p_block(c, cols, in_vocab),
                     w_block(c, cols, sib, count, in_vocab & ~fallback))
-      csum = running + jnp.cumsum(w)
-      first = jnp.min(jnp.where((csum > target) & (w > 0.0), cols, _NO_INDEX))
-      found = jnp.where(found == _NO_INDEX, first, found)
-      last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(w > 0.0, cols, -1)))
-      return running + jnp.sum(w), found, last_pos
+      return _common.inverse_cdf_block(acc_d, cols, w, target)
 
-    _, found, last_pos = lax.fori_loop(
-        _I0, _trips(draw, num_blocks), draw_pass,
-        (zero_f, jnp.int32(_NO_INDEX), jnp.int32(-1)))
-    drawn = jnp.where(found != _NO_INDEX, found, last_pos)
+    drawn = _common.inverse_cdf_token(lax.fori_loop(
+        _I0, _trips(draw, num_blocks), draw_pass, _common.inverse_cdf_init()))
     uniform_token = jnp.minimum((final_coin * vocab_size).astype(jnp.int32), vocab_size - 1)
     drawn = jnp.where(drawn >= 0, drawn, uniform_token)
     token = jnp.where(greedy, am, drawn)
