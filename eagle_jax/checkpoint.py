@@ -247,8 +247,13 @@ def _part_names(path: tuple, var: nnx.Param, name_of: Callable[[tuple], str]):
 
 
 def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[tuple], str],
-              dtype, *, optional: Iterable[str] = ()) -> None:
+              dtype, *, optional: Iterable[str] = (),
+              shardings: dict[tuple, jax.sharding.Sharding] | None = None) -> None:
     """Fills every parameter of ``module`` from the checkpoint, cast to ``dtype``.
+
+    ``shardings`` (parameter path -> sharding; tensor parallelism): each tensor goes from
+    the host straight to its devices, each device receiving only its shard, so a model
+    larger than one device loads (nothing is built whole on one device first).
 
     ``name_of`` maps a parameter path (e.g. ``('layers', 0, 'mlp', 'down_proj', 'weight')``)
     to its checkpoint name; a fused parameter is the concatenation (along its first axis)
@@ -267,7 +272,10 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
         shards, replicas = _shard_layout(var)
         if shards > 1:
             arr = arr[fused_row_order(tuple(rows for _, rows in parts), shards, replicas)]
-        var.set_value(jnp.asarray(arr, dtype=dtype))
+        if shardings is None:
+            var.set_value(jnp.asarray(arr, dtype=dtype))
+        else:
+            var.set_value(jax.device_put(arr.astype(dtype), shardings[path]))
 
 
 def module_tensors(module: nnx.Module, name_of: Callable[[tuple], str],

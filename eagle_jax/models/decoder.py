@@ -172,7 +172,8 @@ def checkpoint_name(path: tuple) -> str:
 
 def load_decoder(model_dir: str, dtype="float32", *, mesh=None) -> Decoder:
     """Builds the decoder described by ``model_dir/config.json`` from its safetensors;
-    with ``mesh``, tensor-parallel over it, parameters placed with their shardings.
+    with ``mesh``, tensor-parallel over it, each parameter sent from the host to its
+    devices shard by shard (``param_shardings``).
 
     Raises CheckpointError naming the file, tensor and expected shape on any mismatch.
     """
@@ -180,8 +181,9 @@ def load_decoder(model_dir: str, dtype="float32", *, mesh=None) -> Decoder:
     dtype = resolve_dtype(dtype)
     reader = CheckpointReader(model_dir)
     model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, mesh=mesh, rngs=nnx.Rngs(0)))
-    load_into(model, reader, checkpoint_name, dtype)
-    return model if mesh is None else parallel.shard_params(model, mesh)
+    load_into(model, reader, checkpoint_name, dtype,
+              shardings=None if mesh is None else parallel.param_shardings(model, mesh))
+    return model
 
 
 def save_decoder(model: Decoder, model_dir: str, hf_config: dict, dtype=None, *,
