@@ -295,15 +295,16 @@ def _abort_run(engine) -> dict[str, np.ndarray]:
     engine.add_request("x", [5, 9, 13], params)
     engine.add_request("y", [7, 8, 9, 10], params)
     route = [engine.replica_of("x"), engine.replica_of("y")]
-    engine.step()
-    engine.abort_request("y")
-    reasons, tokens = {}, []
+    reasons, tokens, steps = {}, [], 0
     while engine.has_unfinished_requests():
+        if steps == 1:
+            engine.abort_request("y")
         for o in engine.step():
             if o.request_id == "x":
                 tokens.extend(o.new_token_ids)
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
+        steps += 1
     return {"abort/route": np.array(route), "abort/x_tokens": np.array(tokens),
             "abort/reasons": np.array([reasons.get("x", ""), reasons.get("y", "")]),
             "abort/unfinished": np.array([r.has_unfinished_requests()
