@@ -21,24 +21,37 @@ from eagle_jax.testutil.tensor_parallel import run_data_parallel_in_subprocess
 from .test_tensor_parallel import ENGINE_CONFIG, HEAD_CASES, LAYERS
 
 # Four requests joining at steps 0, 0, 1 and 3, so the router sees replicas of unequal
-# load. The reference is one plain engine (greedy speculative output equals it).
+# load. The reference is one plain engine.
 SCHEDULE = [(0, "a", [5, 9, 13, 21, 40, 7, 88], 6),
             (0, "b", [3, 4, 5, 6, 100, 101, 102], 5),
             (1, "c", [11, 12, 13], 4),
             (3, "d", [8, 30, 31, 32, 33], 4)]
-RUNS = [(1, 1, "NONE"), (2, 1, "EAGLE3"), (2, 2, "NONE")]
+# Plain decoding only: a replica's speculative step is the engine's own (tested at every
+# tensor-parallel size in tests/test_tensor_parallel.py); at 2 x 1 it would double the
+# child's ~70 s.
+RUNS = [(1, 1, "NONE"), (2, 1, "NONE"), (2, 2, "NONE")]
+VOCAB = 320
 
 
 @pytest.fixture(scope="module")
-def dp_run(tiny_targets, tmp_path_factory):
-    from eagle_jax.testutil.drafts import write_tiny_eagle3_draft
+def target(tmp_path_factory):
+    """The kv2 target of tests/test_tensor_parallel.py with a test tokenizer of its whole
+    vocabulary (the server needs one; the engine's vocabulary is the same either way)."""
+    from eagle_jax.testutil.models import write_tiny_target
+    from eagle_jax.testutil.tokenizer import write_test_tokenizer
 
     heads, kv_heads = HEAD_CASES["kv2"]
-    target = tiny_targets("llama", num_heads=heads, num_kv_heads=kv_heads, num_layers=LAYERS)
-    root = tmp_path_factory.mktemp("dp_engine")
-    draft = write_tiny_eagle3_draft(str(root / "eagle3"), target)
-    return run_data_parallel_in_subprocess(target, draft, str(root / "run.npz"), RUNS,
-                                           schedule=SCHEDULE, config=ENGINE_CONFIG)
+    out = str(tmp_path_factory.mktemp("dp_target"))
+    write_tiny_target(out, "llama", num_heads=heads, num_kv_heads=kv_heads,
+                      num_layers=LAYERS, vocab_size=VOCAB)
+    return write_test_tokenizer(out, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def dp_run(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp_engine") / "run.npz"
+    return run_data_parallel_in_subprocess(target, None, str(out), RUNS, schedule=SCHEDULE,
+                                           config=ENGINE_CONFIG)
 
 
 @pytest.mark.parametrize("dp,tp,algo", [r for r in RUNS if r[0] > 1])
@@ -80,6 +93,43 @@ def test_too_many_devices_names_the_fix(dp_run):
     msg = str(dp_run["errors/2x4"])
     assert "data-parallel size 2 x tensor-parallel size 4 = 8 devices exceeds the 4" in msg
     assert "use at most 4 in all (lower --data-parallel-size" in msg
+
+
+def test_server_with_data_parallel_2_serves_greedy_output_of_one_engine(target, dp_run):
+    """scripts/serve.py --data-parallel-size 2 on 2 host devices: three concurrent greedy
+    completions are one plain engine's tokens."""
+    import concurrent.futures
+
+    import httpx
+
+    from eagle_jax.testutil.server import ServerProcess
+    from eagle_jax.testutil.tensor_parallel import FAST_COMPILE_FLAGS
+
+    c = ENGINE_CONFIG
+    proc = ServerProcess([
+        "--model", target, "--speculative-algorithm", "NONE", "--data-parallel-size", "2",
+        "--max-model-len", str(c["max_model_len"]), "--max-num-seqs", str(c["max_num_seqs"]),
+        "--batch-buckets", "2", "--prefill-buckets", "16", "--dtype", "float32",
+        "--kv-cache-memory", str(c["kv_cache_memory"]), "--no-precompile"],
+        env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}"})
+
+    def complete(rid, prompt, max_tokens):
+        with httpx.Client(base_url=proc.base_url, timeout=120) as http:
+            r = http.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True})
+            assert r.status_code == 200, r.text
+            return rid, [int(t.split(":", 1)[1])
+                         for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            served = dict(pool.map(lambda job: complete(*job[1:]), SCHEDULE[:3]))
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.log_text()
+    for rid, tokens in served.items():
+        assert tokens == list(dp_run[f"1x1/NONE/{rid}"]), rid
 
 
 # ---- In this process: the router, the stats and the errors. ----------------------------
