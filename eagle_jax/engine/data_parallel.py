@@ -27,20 +27,21 @@ from eagle_jax.engine.types import RequestOutput, SchedulerStats, SpecDecodeStat
 from eagle_jax.sampling import SamplingParams
 
 
-def make_engine(config: EngineConfig, **kwargs) -> Engine | DataParallelEngine:
+def make_engine(config: EngineConfig, *, tokenizer=None,
+                **kwargs) -> Engine | DataParallelEngine:
     """The engine ``config`` asks for: a plain ``Engine`` at data_parallel_size 1 (the
-    keyword arguments passed on), else a ``DataParallelEngine`` of that many replicas.
-    Raises ValueError naming the fix when the replicas need more devices than there are."""
+    keyword arguments passed on), else a ``DataParallelEngine`` of that many replicas
+    (one ``tokenizer``, given or loaded once, for all). Raises ValueError naming the fix
+    when the replicas need more devices than there are."""
     m = config.data_parallel_size
     if m == 1:
-        return Engine(config, **kwargs)
+        return Engine(config, tokenizer=tokenizer, **kwargs)
     if kwargs:
         raise ValueError(f"{sorted(kwargs)}: a data-parallel engine loads its replicas "
-                         f"from the config alone; pass them with data_parallel_size 1")
+                         f"from the config; pass them with data_parallel_size 1")
     groups = parallel.device_groups(m, config.tensor_parallel_size)
     one = dataclasses.replace(config, data_parallel_size=1)
-    first = Engine(one, devices=groups[0])
-    # One tokenizer for all: the replicas serve the same model.
+    first = Engine(one, devices=groups[0], tokenizer=tokenizer)
     return DataParallelEngine([first] + [Engine(one, devices=g, tokenizer=first.tokenizer)
                                          for g in groups[1:]])
 
