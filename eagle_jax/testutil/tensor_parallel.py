@@ -12,8 +12,9 @@ verify (a block mask), and records the logits, greedy tokens, every parameter's 
 KV pool's per-device shard shapes, layer 0's fused q/k/v shards, the collectives of the
 compiled decode step and ``module_tensors`` of the loaded and of a randomly initialised
 model. ``run_engines_in_subprocess`` runs whole engines (``Engine(tensor_parallel_size=)``)
-on a schedule of greedy requests instead, ``run_sampling_in_subprocess`` one engine on
-many sampled requests.
+on a schedule of greedy requests instead, ``run_data_parallel_in_subprocess`` the same
+through ``make_engine`` (data-parallel replicas), ``run_sampling_in_subprocess`` one
+engine on many sampled requests.
 """
 
 from __future__ import annotations
