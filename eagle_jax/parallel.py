@@ -85,24 +85,42 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
             f"{cfg.intermediate_size}; use a size that divides it")
 
 
-def make_mesh(tensor_parallel_size: int, cfg: ModelConfig | None = None) -> Mesh:
-    """A 1-D mesh (axis "tp") over the first ``tensor_parallel_size`` local devices.
+def make_mesh(tensor_parallel_size: int, cfg: ModelConfig | None = None,
+              devices: list | None = None) -> Mesh:
+    """A 1-D mesh (axis "tp") over ``devices`` (a data-parallel replica's group,
+    ``device_groups``), by default the first ``tensor_parallel_size`` local devices.
 
     With ``cfg``, also checks that the model splits over that many devices
     (``check_tensor_parallel``). Raises ValueError naming the fix.
     """
     n = tensor_parallel_size
-    devices = jax.local_devices()
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"tensor-parallel size must be a positive integer, got {n!r}")
-    if n > len(devices):
-        raise ValueError(
-            f"tensor-parallel size {n} exceeds the {len(devices)} local "
-            f"{devices[0].platform} device(s); use at most {len(devices)} (on a CPU, "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax starts)")
+    if devices is None:
+        devices = device_groups(1, n)[0]
+    if len(devices) != n:
+        raise ValueError(f"a mesh of tensor-parallel size {n} needs {n} devices, got "
+                         f"{len(devices)}: pass one device group of device_groups(M, {n})")
     if cfg is not None:
         check_tensor_parallel(cfg, n)
-    return Mesh(np.array(devices[:n]), (TP_AXIS,))
+    return Mesh(np.array(devices), (TP_AXIS,))
+
+
+def device_groups(data_parallel_size: int, tensor_parallel_size: int) -> list[list]:
+    """The local devices of each of M data-parallel replicas of N devices each: replica i
+    takes devices [i N, (i + 1) N). Raises ValueError naming the fix when M N exceeds
+    the local devices."""
+    m, n = data_parallel_size, tensor_parallel_size
+    devices = jax.local_devices()
+    if m * n > len(devices):
+        sizes, fix = ((f"tensor-parallel size {n}", "") if m == 1 else (
+            f"data-parallel size {m} x tensor-parallel size {n} = {m * n} devices",
+            " in all (lower --data-parallel-size or --tensor-parallel-size)"))
+        raise ValueError(
+            f"{sizes} exceeds the {len(devices)} local {devices[0].platform} device(s); "
+            f"use at most {len(devices)}{fix} (on a CPU, "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={m * n} before jax starts)")
+    return [list(devices[i * n:(i + 1) * n]) for i in range(m)]
 
 
 def param_spec(path: tuple, shape: tuple[int, ...], tp: int) -> P:
@@ -151,6 +169,16 @@ def replicate(module: nnx.Module, mesh: Mesh) -> nnx.Module:
         if isinstance(var, nnx.Variable) and isinstance(var[...], jax.Array):
             if var[...].sharding.device_set != devices:
                 var.set_value(replicate_tree(var[...], mesh))
+    return module
+
+
+def commit(module: nnx.Module, device) -> nnx.Module:
+    """Commits every array variable of ``module`` to ``device`` (in place; returns it): a
+    data-parallel replica of one device (no mesh) runs its executables there, not on
+    the default device. Arrays built there under ``jax.default_device`` are not copied."""
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Variable) and isinstance(var[...], jax.Array):
+            var.set_value(jax.device_put(var[...], device))
     return module
 
 

@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="devices the target is split over (a mesh of the first N local "
                         "devices; default 1)")
+    g.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                   help="engine replicas behind the server, each over its own "
+                        "--tensor-parallel-size devices; requests go to the least loaded "
+                        "(default 1)")
     g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="default: float32 on a CPU, bfloat16 on a GPU")
     g.add_argument("--kv-cache-memory", type=_positive_int, default=None,
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     api_key = args.api_key or os.environ.get("EAGLE_JAX_API_KEY") or None
 
-    from eagle_jax.engine import Engine, EngineConfig
+    from eagle_jax.engine import EngineConfig, make_engine
 
     extra = {}
     if args.prefill_buckets:
@@ -175,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
             dtype=args.dtype,
             kv_cache_memory=args.kv_cache_memory,
             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
@@ -186,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     log.info("loading the engine: %s", config)
-    engine = Engine(config)
+    try:
+        engine = make_engine(config)  # an Engine, or data-parallel replicas of one
+    except ValueError as e:  # e.g. more replicas than devices
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     import uvicorn
 

@@ -2,8 +2,10 @@
 
 from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.engine import Engine
+from eagle_jax.engine.data_parallel import DataParallelEngine, make_engine
 from eagle_jax.engine.llm import LLM
 from eagle_jax.engine.types import CompletionOutput, RequestOutput, SpecDecodeStats, TokenLogprob
 
-__all__ = ["Engine", "EngineConfig", "LLM", "CompletionOutput", "RequestOutput",
+__all__ = ["Engine", "DataParallelEngine", "EngineConfig", "make_engine", "LLM",
+           "CompletionOutput", "RequestOutput",
            "SpecDecodeStats", "TokenLogprob"]

@@ -102,6 +102,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     dtype: str | None = None
     seed: int = 0
     precompile: bool = True
@@ -192,6 +193,10 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer (1 = one "
                              f"device), got {tp!r}")
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer (1 = one "
+                             f"engine), got {dp!r}")
 
     @property
     def speculative(self) -> bool:

@@ -149,12 +149,19 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, tokenizer=None, target: Decoder | None = None,
                  draft=None, draft_probs_hook: Callable | None = None,
-                 compile_fn: CompileFn = jit_compile):
+                 compile_fn: CompileFn = jit_compile, devices: list | None = None):
         """``target`` / ``draft``: modules built by the caller (benchmarks with random
         weights) instead of loading ``config.model`` / ``config.draft_model``.
+        ``devices``: the ``tensor_parallel_size`` devices this engine runs on, a
+        data-parallel replica's group (``parallel.device_groups``; ``make_engine`` builds
+        the replicas); None = the first local ones (one device: the default device).
         ``draft_probs_hook`` (tests only) rewrites the draft probabilities inside the
         step, as a corrupted buffer would (004). ``compile_fn`` turns the engine's pure
         functions into executables (see ``CompileFn``)."""
+        if config.data_parallel_size != 1:
+            raise ValueError(
+                f"Engine is one replica; for data_parallel_size {config.data_parallel_size} "
+                f"build the replicas with eagle_jax.engine.make_engine(config)")
         config, defaults = config.for_backend(jax.default_backend())
         for line in defaults:
             logger.info("engine: %s", line)
@@ -164,17 +171,28 @@ class Engine:
         _enable_compilation_cache(config.compilation_cache_dir)
         dtype = resolve_dtype(config.dtype)
         self.dtype = dtype
-        self.mesh = self._make_mesh(target)
-        self.target: Decoder = target if target is not None else load_decoder(
-            config.model, dtype, mesh=self.mesh)
-        self.model_config: ModelConfig = self.target.config
-        self.draft = draft
-        if config.speculative and draft is None:
-            from eagle_jax.models.draft_checkpoint import load_draft
+        self.mesh = self._make_mesh(target, devices)
+        # A replica of one device (no mesh) is committed to it, so that its executables
+        # run there; its models load there (not on the default device, whose memory
+        # another replica's KV pool may already hold). None: the default device, as is.
+        self.device = devices[0] if devices is not None and self.mesh is None else None
+        self.devices = (list(self.mesh.devices.flat) if self.mesh is not None else
+                        [self.device or jax.devices()[0]])
+        with jax.default_device(self.device):
+            self.target: Decoder = target if target is not None else load_decoder(
+                config.model, dtype, mesh=self.mesh)
+            self.draft = draft
+            if config.speculative and draft is None:
+                from eagle_jax.models.draft_checkpoint import load_draft
 
-            self.draft = load_draft(config.draft_model, self.target, dtype)
+                self.draft = load_draft(config.draft_model, self.target, dtype)
+        self.model_config: ModelConfig = self.target.config
         if self.mesh is not None and self.draft is not None:
             parallel.replicate(self.draft, self.mesh)
+        if self.device is not None:
+            for module in (self.target, self.draft):
+                if module is not None:
+                    parallel.commit(module, self.device)
         if self.draft is not None:
             if self.draft.kind != config.speculative_algorithm:
                 raise ValueError(
@@ -255,7 +273,7 @@ class Engine:
 
         return Tokenizer.from_dir(self.config.model)
 
-    def _make_mesh(self, target: Decoder | None):
+    def _make_mesh(self, target: Decoder | None, devices: list | None):
         """The tensor-parallel mesh (``parallel.make_mesh``) of ``tensor_parallel_size``
         devices; None at 1. A caller's ``target`` brings its own mesh, which must match.
 
@@ -269,6 +287,9 @@ class Engine:
         correct, and a per-shard vocabulary reduction is left for measurement.
         """
         n = self.config.tensor_parallel_size
+        if devices is not None and len(devices) != n:
+            raise ValueError(f"tensor_parallel_size {n} needs {n} devices, {len(devices)} "
+                             f"given: pass one group of parallel.device_groups(M, {n})")
         if target is not None:
             if parallel.tensor_parallel_size(target.mesh) != n:
                 raise ValueError(
@@ -279,7 +300,7 @@ class Engine:
             return target.mesh
         if n == 1:
             return None
-        return parallel.make_mesh(n, ModelConfig.from_dir(self.config.model))
+        return parallel.make_mesh(n, ModelConfig.from_dir(self.config.model), devices)
 
     def _model_limit(self) -> int:
         """The context limit: the target's max_position_embeddings. A draft trained on
@@ -317,7 +338,7 @@ class Engine:
         cfg = self.config
         if cfg.kv_cache_memory is not None:
             return cfg.kv_cache_memory
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = self.devices[0].memory_stats() or {}
         limit = stats.get("bytes_limit")
         if limit is None:
             if cfg.kv_cache_memory_fraction is not None:
@@ -354,6 +375,13 @@ class Engine:
         self._draft_graph, self._draft_params = _split(self.draft)
 
     def _init_state(self) -> step_lib.DecodeState:
+        with jax.default_device(self.device):
+            state = self._zero_state()
+        if self.device is not None:
+            state = jax.device_put(state, self.device)
+        return state
+
+    def _zero_state(self) -> step_lib.DecodeState:
         n = self.num_slots
         target_pages = self.target.init_pages(self.num_pages, self.page_size, self.dtype)
         draft_pages = draft_hidden = draft_logits = None
@@ -389,7 +417,9 @@ class Engine:
             raise ValueError("this engine was built without synthetic_acceptance")
         if not 0 <= rate <= 1:
             raise ValueError(f"synthetic acceptance must be in [0, 1], got {rate}")
-        self.state = self.state._replace(synthetic_acceptance=jnp.float32(rate))
+        # Placed as the state is (a replica's device, a mesh), not on the default device.
+        self.state = self.state._replace(synthetic_acceptance=jax.device_put(
+            np.float32(rate), self.state.synthetic_acceptance.sharding))
 
     def _feature_width(self) -> int:
         layers = self.draft.feature_layers
@@ -597,7 +627,8 @@ class Engine:
         """Seconds of the bucket's draft catch-up with every ``live`` row MAX_DRAFT_LAG
         positions behind (``time_steps``' rows, after its steps)."""
         catch_up = self._catch_up_fn(bucket)
-        lag = jnp.asarray(np.where(live, step_lib.MAX_DRAFT_LAG, 0).astype(np.int32))
+        lag = jax.device_put(np.where(live, step_lib.MAX_DRAFT_LAG, 0).astype(np.int32),
+                             self.state.draft_lag.sharding)
         for calls in (1, repeats):  # the first call warms the executable up
             jax.block_until_ready(self.state.draft_lag)
             t0 = time.perf_counter()

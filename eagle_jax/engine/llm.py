@@ -9,6 +9,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eagle_jax.engine.config import EngineConfig
+from eagle_jax.engine.data_parallel import DataParallelEngine, make_engine
 from eagle_jax.engine.engine import Engine
 from eagle_jax.engine.types import CompletionOutput
 from eagle_jax.sampling import SamplingParams
@@ -20,13 +21,14 @@ class LLM:
     """An engine with a blocking batch API, as vLLM's ``LLM``.
 
     ``LLM(model=..., draft_model=..., speculative_algorithm="EAGLE3", ...)`` takes the
-    fields of EngineConfig as keyword arguments.
+    fields of EngineConfig as keyword arguments (``data_parallel_size`` > 1: replicas,
+    ``make_engine``).
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None,
-                 **kwargs):
+    def __init__(self, config: EngineConfig | None = None, *,
+                 engine: Engine | DataParallelEngine | None = None, **kwargs):
         if engine is None:
-            engine = Engine(config if config is not None else EngineConfig(**kwargs))
+            engine = make_engine(config if config is not None else EngineConfig(**kwargs))
         self.engine = engine
         self._ids = itertools.count()
 

@@ -12,8 +12,9 @@ verify (a block mask), and records the logits, greedy tokens, every parameter's 
 KV pool's per-device shard shapes, layer 0's fused q/k/v shards, the collectives of the
 compiled decode step and ``module_tensors`` of the loaded and of a randomly initialised
 model. ``run_engines_in_subprocess`` runs whole engines (``Engine(tensor_parallel_size=)``)
-on a schedule of greedy requests instead, ``run_sampling_in_subprocess`` one engine on
-many sampled requests.
+on a schedule of greedy requests instead, ``run_data_parallel_in_subprocess`` the same
+through ``make_engine`` (data-parallel replicas), ``run_sampling_in_subprocess`` one
+engine on many sampled requests.
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ def run_engines_in_subprocess(target: str, draft: str, out_path: str, runs: list
 # The engines' steps are big programs that run a few times each: compiling them with
 # LLVM's cheaper passes takes a third off the XLA compile time, most of such a child's.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def run_data_parallel_in_subprocess(target: str, draft: str, out_path: str, runs: list, *,
+                                    schedule: list, config: dict, devices: int = 4,
+                                    timeout: float = 900) -> dict[str, np.ndarray]:
+    """Runs ``make_engine`` engines in a child with ``devices`` host devices: for each
+    (data-parallel size, tensor-parallel size, algorithm) of ``runs``, an engine of
+    ``config`` runs ``schedule`` (``engine_schedule``'s). Returns ``{dp}x{tp}/{algo}/{rid}``
+    (its tokens), ``.../route/{rid}`` (the replica it went to, data-parallel runs) and
+    ``.../loads/{rid}`` (each replica's unfinished requests just before),
+    ``.../devices/{i}/params`` and ``.../devices/{i}/state`` (the device ids replica i's
+    arrays live on), ``abort/...`` (``_abort_run``) and ``errors/{dp}x{tp}``, the
+    ValueError of a data-parallel size too big for the devices."""
+    return _child(dict(kind="data_parallel", target=target, draft=draft, out=out_path,
+                       runs=[list(r) for r in runs], schedule=schedule, config=config),
+                  devices, timeout, FAST_COMPILE_FLAGS)
 
 
 def run_sampling_in_subprocess(target: str, draft: str, out_path: str, tp: int, *,
@@ -226,6 +243,75 @@ def _run_engines(request: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def _run_data_parallel(request: dict) -> dict[str, np.ndarray]:
+    import jax
+    from flax import nnx
+
+    from eagle_jax.engine import DataParallelEngine, EngineConfig, make_engine
+
+    def device_ids(tree) -> np.ndarray:
+        return np.array(sorted({d.id for x in jax.tree.leaves(tree)
+                                for d in x.sharding.device_set}))
+
+    cfg, out = request["config"], {}
+    for dp, tp, algo in request["runs"]:
+        engine = make_engine(EngineConfig(
+            model=request["target"], speculative_algorithm=algo,
+            draft_model=request["draft"] if algo != "NONE" else None,
+            tensor_parallel_size=tp, data_parallel_size=dp, **cfg))
+        key = f"{dp}x{tp}/{algo}"
+        if isinstance(engine, DataParallelEngine):
+            add = engine.add_request
+
+            def routed(rid, *args, add=add, engine=engine):
+                out[f"{key}/loads/{rid}"] = np.array([
+                    r.num_running() + r.num_waiting() for r in engine.replicas])
+                add(rid, *args)
+                out[f"{key}/route/{rid}"] = np.array(engine.replica_of(rid))
+
+            engine.add_request = routed  # records each request's replica
+            for i, r in enumerate(engine.replicas):
+                models = [nnx.state(m) for m in (r.target, r.draft) if m is not None]
+                out[f"{key}/devices/{i}/params"] = device_ids(models)
+                out[f"{key}/devices/{i}/state"] = device_ids(r.state)
+        for rid, tokens in engine_schedule(engine, request["schedule"]).items():
+            out[f"{key}/{rid}"] = np.array(tokens)
+        if dp == 2 and tp == 1:
+            out.update(_abort_run(engine))
+    try:
+        make_engine(EngineConfig(model=request["target"], speculative_algorithm="NONE",
+                                 tensor_parallel_size=4, data_parallel_size=2, **cfg))
+    except ValueError as e:
+        out["errors/2x4"] = np.array(str(e))
+    return out
+
+
+def _abort_run(engine) -> dict[str, np.ndarray]:
+    """On an idle 2-replica engine: "x" and "y" join (replicas 0 and 1), "y" is aborted.
+    Returns ``abort/route`` (both replicas), ``abort/reasons`` (x's, y's finish) and
+    ``abort/x_tokens``."""
+    from eagle_jax import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("x", [5, 9, 13], params)
+    engine.add_request("y", [7, 8, 9, 10], params)
+    route = [engine.replica_of("x"), engine.replica_of("y")]
+    reasons, tokens, steps = {}, [], 0
+    while engine.has_unfinished_requests():
+        if steps == 1:
+            engine.abort_request("y")
+        for o in engine.step():
+            if o.request_id == "x":
+                tokens.extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        steps += 1
+    return {"abort/route": np.array(route), "abort/x_tokens": np.array(tokens),
+            "abort/reasons": np.array([reasons.get("x", ""), reasons.get("y", "")]),
+            "abort/unfinished": np.array([r.has_unfinished_requests()
+                                          for r in engine.replicas])}
+
+
 def _export_step(engine) -> dict[str, np.ndarray]:
     """``export/{platform}/...`` of the engine's step (its smallest batch bucket) exported
     for ROCm and CUDA: the Triton custom calls, shard_map bodies (per-shard kernels) and
@@ -275,6 +361,8 @@ def main(request: dict) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     if request["kind"] == "engine":
         arrays = _run_engines(request)
+    elif request["kind"] == "data_parallel":
+        arrays = _run_data_parallel(request)
     elif request["kind"] == "sample":
         arrays = _run_sampling(request)
     else:
