@@ -2,7 +2,7 @@
 its own devices, behind one engine interface.
 
 The replicas need several devices: the engines run in one child process with 4 host
-devices (``eagle_jax.testutil.tensor_parallel``) and the assertions run here on what it
+devices (``tests/multidevice.py``) and the assertions run here on what it
 returns. The router and the stats aggregation need no devices and run in this process,
 on the real class over stand-in replicas.
 """
@@ -16,8 +16,8 @@ from eagle_jax import parallel
 from eagle_jax.engine import DataParallelEngine, Engine, EngineConfig
 from eagle_jax.engine.data_parallel import least_loaded
 from eagle_jax.engine.types import SchedulerStats, SpecDecodeStats
-from eagle_jax.testutil.tensor_parallel import run_data_parallel_in_subprocess
 
+from .multidevice import run_data_parallel_in_subprocess
 from .test_tensor_parallel import ENGINE_CONFIG, HEAD_CASES, LAYERS
 
 # Four requests joining at steps 0, 0, 1 and 3, so the router sees replicas of unequal
@@ -103,7 +103,7 @@ def test_server_with_data_parallel_2_serves_greedy_output_of_one_engine(target, 
     import httpx
 
     from eagle_jax.testutil.server import ServerProcess
-    from eagle_jax.testutil.tensor_parallel import FAST_COMPILE_FLAGS
+    from .multidevice import FAST_COMPILE_FLAGS
 
     c = ENGINE_CONFIG
     proc = ServerProcess([

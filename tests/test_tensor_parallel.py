@@ -2,7 +2,7 @@
 
 The mesh runs need several devices, which a CPU process has only when XLA_FLAGS says so
 before jax starts: they run in a child process with 4 host devices
-(``eagle_jax.testutil.tensor_parallel``), and the assertions run here on what it returns.
+(``tests/multidevice.py``), and the assertions run here on what it returns.
 The layout and error checks need no devices and run in this process.
 """
 
@@ -23,10 +23,10 @@ from eagle_jax.config import ModelConfig
 from eagle_jax.engine import EngineConfig
 from eagle_jax.models.layers import FusedLinear
 from eagle_jax.testutil.models import tiny_config
-from eagle_jax.testutil.tensor_parallel import (
-    COLLECTIVES, run_engines_in_subprocess, run_in_subprocess, run_sampling_in_subprocess)
 
 from . import test_engine_sampling as gof
+from .multidevice import (
+    COLLECTIVES, run_engines_in_subprocess, run_in_subprocess, run_sampling_in_subprocess)
 
 LAYERS = 2
 # (attention heads, kv heads): kv heads split over 2 and 4 devices; 2 kv heads at

@@ -1,10 +1,11 @@
-"""Tensor-parallel runs of the target decoder and of the engine in a process of their own,
-for tests.
+"""Tensor- and data-parallel runs of the target decoder and of the engine in a process of
+their own, for tests (here, not in ``eagle_jax.testutil``: it drives the engine, a layer
+above the test helpers; ``tests/test_layering.py``).
 
 A host-platform device count is fixed when jax starts, so the test process (one CPU
-device) cannot grow a mesh: ``run_in_subprocess`` starts ``python -m
-eagle_jax.testutil.tensor_parallel`` with ``XLA_FLAGS=--xla_force_host_platform_device_count``
-and reads back an ``.npz`` of what it measured. The assertions stay in the test.
+device) cannot grow a mesh: ``run_in_subprocess`` starts ``python -m tests.multidevice``
+(from the repository root) with ``XLA_FLAGS=--xla_force_host_platform_device_count`` and
+reads back an ``.npz`` of what it measured. The assertions stay in the test.
 
 For each tensor-parallel size (1 = no mesh, the reference) the child loads the checkpoint,
 runs a ragged prefill through the paged KV cache, greedy decode steps and one draft-tree
@@ -21,11 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
 
 import numpy as np
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
@@ -94,7 +98,7 @@ def _child(request: dict, devices: int, timeout: float, xla_flags: str = ""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {xla_flags}")
     proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(request)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
     if proc.returncode:
         raise RuntimeError(f"tensor-parallel child failed:\n{proc.stderr[-4000:]}")
     with np.load(out_path) as f:
