@@ -22,9 +22,10 @@ so the table never travels whole.
 
 A step may carry one prompt chunk of a request in prefill (``chunk``): its C positions
 become C / W extra rows of the step's width W beside the B decode rows of the target's
-forward, each row a query block at consecutive positions whose page table row is the
-prefilling slot's. The KV pool is written before attention in every layer, so a chunk
-row sees the rows before it; the weights are read once for decode and prefill.
+forward (the weights are read once for decode and prefill), whose page table row is the
+prefilling slot's. The chunk's rows attend as one query block of C positions (one
+kernel call beside the decode rows'), so its prefix is read from the pool once, not
+once per row. The KV pool is written before attention in every layer.
 """
 
 from __future__ import annotations
@@ -123,10 +124,9 @@ class PrefillChunk(NamedTuple):
         return jnp.where(idx < self.length, self.start + idx, PAD_POSITION)
 
     def rows(self, width: int) -> tuple[Array, Array]:
-        """The chunk as [C / width, width] rows of tokens and positions: each row a query
-        block at consecutive positions, so a decode step's forward carries it beside its
-        own rows (each later row attends to the earlier ones, written in the same layer
-        before attention)."""
+        """The chunk as [C / width, width] rows of tokens and positions, so a decode
+        step's forward carries it beside its own rows (attended as one block:
+        ``AttentionBatch.tail_rows``)."""
         return (self.tokens.reshape(-1, width), self.positions().reshape(-1, width))
 
 
@@ -176,27 +176,26 @@ def _forward_with_chunk(target, state: DecodeState, tokens: Array, positions: Ar
                         chunk: PrefillChunk | None, aux_layers,
                         tree: TreeLayout | None = None) -> tuple:
     """The target's forward over the step's rows [B, W], and the chunk's rows after them
-    when the step carries one (one read of the weights for both). ``tree``: the rows
-    are draft trees (the chunk's rows then get the causal mask).
+    when the step carries one (one read of the weights for both; the chunk attends as
+    one query block). ``tree``: the B rows are draft trees.
 
     Returns (the forward's output for the B rows: hidden, aux_hidden, logits; the
     chunk's hidden [1, C, H] and aux_hidden [1, C, F] or None; the updated pool)."""
     batch, width = tokens.shape
     table = state.page_table[:batch]
+    tail_rows = 0
     if chunk is not None:
         chunk_tokens, chunk_pos = chunk.rows(width)
+        tail_rows = chunk_tokens.shape[0]
         tokens = jnp.concatenate([tokens, chunk_tokens])
         positions = jnp.concatenate([positions, chunk_pos])
         table = jnp.concatenate([table, jnp.broadcast_to(
-            chunk.page_row, (chunk_tokens.shape[0], table.shape[1]))])
+            chunk.page_row, (tail_rows, table.shape[1]))])
         if tree is not None:
-            causal = jnp.tril(jnp.ones((width, width), jnp.bool_))
-            tree = TreeLayout(
-                jnp.concatenate([tree.rope_positions, chunk_pos]),
-                jnp.concatenate([tree.block_mask, jnp.broadcast_to(
-                    causal, (chunk_tokens.shape[0], width, width))]))
+            tree = tree._replace(rope_positions=jnp.concatenate([tree.rope_positions,
+                                                                 chunk_pos]))
     out = target(tokens, positions, KVCache(state.target_pages, table), aux_layers=aux_layers,
-                 compute_logits=False, tree=tree)
+                 compute_logits=False, tree=tree, tail_rows=tail_rows)
 
     def split(x):
         if x is None:

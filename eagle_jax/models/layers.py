@@ -229,12 +229,19 @@ class AttentionBatch(NamedTuple):
 
     ``block_mask`` (a draft tree) replaces causality over the last M keys: query t sees
     key kv_len - q_len - (M - T) + u iff block_mask[b, t, u] (``paged_attention``).
+
+    ``tail_rows`` (static): the last R of the B rows are one sequence's prompt chunk
+    laid out in rows of T (a decode step carrying a chunk), attended as ONE query block
+    of R T queries: then ``kv_len`` / ``q_len`` have B - R + 1 entries (the head rows',
+    then the chunk's) and ``block_mask`` covers the B - R head rows. Rows of T attended
+    apart would each read the chunk's whole prefix from the pool, R times its bytes.
     """
 
     slots: Array  # [B, T] i32 pool row of each token; num_pages * page_size = padding
-    kv_len: Array  # [B] i32 live keys, the new tokens included
-    q_len: Array  # [B] i32 valid tokens
-    block_mask: Array | None = None  # [B, T, M >= T] bool, or None = causal
+    kv_len: Array  # [B - R + 1 | B] i32 live keys, the new tokens included
+    q_len: Array  # [B - R + 1 | B] i32 valid tokens
+    block_mask: Array | None = None  # [B - R, T, M >= T] bool, or None = causal
+    tail_rows: int = 0  # R, a Python int
 
 
 class TreeLayout(NamedTuple):
@@ -280,17 +287,26 @@ class KVCache(NamedTuple):
         page = jnp.take_along_axis(self.page_table, pos // ps, axis=1)
         return jnp.where(valid, page * ps + pos % ps, self.pages.num_pages * ps)
 
-    def attention_batch(self, positions: Array, block_mask: Array | None = None
-                        ) -> AttentionBatch:
+    def attention_batch(self, positions: Array, block_mask: Array | None = None,
+                        tail_rows: int = 0) -> AttentionBatch:
         """positions [B, T] (padding >= capacity) -> the pool rows and lengths;
-        ``block_mask`` [B, T, M] (a draft tree's) travels with them."""
-        valid = (positions >= 0) & (positions < self.capacity)
-        pos = jnp.where(valid, positions, 0)
-        slots = self.slots(positions)
-        q_len = jnp.sum(valid, axis=1).astype(jnp.int32)
-        kv_len = jnp.where(q_len > 0, jnp.max(jnp.where(valid, pos, -1), axis=1) + 1, 0)
-        return AttentionBatch(slots.astype(jnp.int32), kv_len.astype(jnp.int32), q_len,
-                              block_mask)
+        ``block_mask`` [B - tail_rows, T, M] (a draft tree's) travels with them;
+        ``tail_rows``: the last rows are one chunk (``AttentionBatch``)."""
+        def lengths(positions):
+            valid = (positions >= 0) & (positions < self.capacity)
+            pos = jnp.where(valid, positions, 0)
+            q_len = jnp.sum(valid, axis=1).astype(jnp.int32)
+            kv_len = jnp.where(q_len > 0, jnp.max(jnp.where(valid, pos, -1), axis=1) + 1, 0)
+            return kv_len.astype(jnp.int32), q_len
+
+        head = positions.shape[0] - tail_rows
+        kv_len, q_len = lengths(positions[:head])
+        if tail_rows:
+            tail_kv, tail_q = lengths(positions[head:].reshape(1, -1))
+            kv_len, q_len = (jnp.concatenate([kv_len, tail_kv]),
+                             jnp.concatenate([q_len, tail_q]))
+        return AttentionBatch(self.slots(positions).astype(jnp.int32), kv_len, q_len,
+                              block_mask, tail_rows)
 
 
 def causal_attention(q: Array, k: Array, v: Array) -> Array:
@@ -374,20 +390,32 @@ class Attention(nnx.Module):
         heads they use (its K / tp pool heads); page table, lengths and block mask are
         replicated. The head order of q and of the pool is shard-major by construction
         (``FusedLinear``), so device s's query heads use exactly its kv heads.
+        With ``batch.tail_rows`` the head rows and the chunk are two kernel calls.
         """
-        def attend(q, k_pages, v_pages, page_table, kv_len, q_len, block_mask):
-            return paged_attention(q, k_pages, v_pages, page_table, kv_len, q_len,
-                                   block_mask=block_mask)
+        def attend(q, page_table, kv_len, q_len, block_mask=None):
+            def kernel(q, k_pages, v_pages, page_table, kv_len, q_len, block_mask):
+                return paged_attention(q, k_pages, v_pages, page_table, kv_len, q_len,
+                                       block_mask=block_mask)
 
-        args = (q, k_pages, v_pages, page_table, batch.kv_len, batch.q_len, batch.block_mask)
-        if self.mesh is None:
-            return attend(*args)
-        heads, rep = parallel.HEADS_SPEC, jax.sharding.PartitionSpec()
-        mask_spec = None if batch.block_mask is None else rep
-        return parallel.per_shard(
-            attend, self.mesh, in_specs=(heads, parallel.KV_PAGES_SPEC, parallel.KV_PAGES_SPEC,
-                                         rep, rep, rep, mask_spec),
-            out_specs=heads)(*args)
+            args = (q, k_pages, v_pages, page_table, kv_len, q_len, block_mask)
+            if self.mesh is None:
+                return kernel(*args)
+            heads, rep = parallel.HEADS_SPEC, jax.sharding.PartitionSpec()
+            mask_spec = None if block_mask is None else rep
+            return parallel.per_shard(
+                kernel, self.mesh, in_specs=(heads, parallel.KV_PAGES_SPEC,
+                                             parallel.KV_PAGES_SPEC, rep, rep, rep, mask_spec),
+                out_specs=heads)(*args)
+
+        if not batch.tail_rows:
+            return attend(q, page_table, batch.kv_len, batch.q_len, batch.block_mask)
+        rows, t, n, d = q.shape
+        head = rows - batch.tail_rows
+        out = attend(q[:head], page_table[:head], batch.kv_len[:head], batch.q_len[:head],
+                     batch.block_mask)
+        chunk = attend(q[head:].reshape(1, -1, n, d), page_table[head:head + 1],
+                       batch.kv_len[head:], batch.q_len[head:])
+        return jnp.concatenate([out, chunk.reshape(batch.tail_rows, t, n, d)])
 
     def qkv(self, x: Array, positions: Array, inv_freq: Array) -> tuple[Array, Array, Array]:
         """x: [B, T, in] -> q [B, T, N, D], k and v [B, T, K, D]: projected, q/k-normed
