@@ -31,6 +31,7 @@ from eagle_jax.kernels.filters import sampling_probs  # noqa: E402
 from eagle_jax.kernels.gathered_lm_head import (  # noqa: E402
     gathered_lm_head, gathered_lm_head_reference)
 from eagle_jax.kernels.norm_concat import rmsnorm_concat, rmsnorm_concat_reference  # noqa: E402
+from eagle_jax.kernels import _common, spec_sampler  # noqa: E402
 from eagle_jax.kernels.spec_sampler import (  # noqa: E402
     speculative_sample, speculative_sample_reference)
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows  # noqa: E402
@@ -95,7 +96,8 @@ def main():
       else:  # p_j and q_j (none at the bonus) once, plus one chunk re-read
         nbytes = int(np.sum(V * 4 * (1 + (accept_len < S)))) + B * 16384 * 4 * 2
       r_ms = tb(ref, d, q, p, u, top_k)
-      sweep = [dict()] if small else [dict(), dict(num_stages=1), dict(num_stages=3),
+      dflt = spec_sampler._block_sizes(V, _common.resolve_target(None))
+      sweep = [dict()] if small else [dict(), dict(num_stages=1), dict(num_stages=2),
                                       dict(chunk_v=8192), dict(chunk_v=8192, block_v=1024),
                                       dict(chunk_v=4096, block_v=1024)]
       best = None
@@ -105,7 +107,7 @@ def main():
             **cfg))
         ms = tb(f, d, q, p, u, top_k)
         agree = bool(jnp.all(f(d, q, p, u, top_k).accept_len == out_r.accept_len))
-        checks.append(f"sampler ({label}) {cfg or 'default (block 2048, chunk 16384, stages 2)'}: "
+        checks.append(f"sampler ({label}) {cfg or f'default (block {dflt.block}, chunk {dflt.chunk}, stages {dflt.num_stages})'}: "
                       f"{ms:.4f} ms, accept_len equal={agree}")
         print(checks[-1], flush=True)
         if best is None or ms < best[0]:
