@@ -261,6 +261,8 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
     (``fused_row_order``). The expected shape is each part's checkpoint rows; a missing
     tensor or a shape mismatch raises a CheckpointError naming the file, tensor and shape.
     """
+    from eagle_jax import parallel  # (here: parallel imports this module)
+
     optional = set(optional)
     for path, var in module_param_paths(module):
         parts = _part_names(path, var, name_of)
@@ -275,7 +277,7 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
         if shardings is None:
             var.set_value(jnp.asarray(arr, dtype=dtype))
         else:
-            var.set_value(jax.device_put(arr.astype(dtype), shardings[path]))
+            var.set_value(parallel.put(arr.astype(dtype), shardings[path]))
 
 
 def module_tensors(module: nnx.Module, name_of: Callable[[tuple], str],

@@ -109,8 +109,13 @@ def make_mesh(tensor_parallel_size: int, cfg: ModelConfig | None = None,
 def device_groups(data_parallel_size: int, tensor_parallel_size: int) -> list[list]:
     """The local devices of each of M data-parallel replicas of N devices each: replica i
     takes devices [i N, (i + 1) N). Raises ValueError naming the fix when M N exceeds
-    the local devices."""
+    the local devices.
+
+    With several processes (``jax.distributed``) there is one group, every process's
+    devices (``global_device_group``)."""
     m, n = data_parallel_size, tensor_parallel_size
+    if jax.process_count() > 1:
+        return [global_device_group(m, n)]
     devices = jax.local_devices()
     if m * n > len(devices):
         sizes, fix = ((f"tensor-parallel size {n}", "") if m == 1 else (
@@ -121,6 +126,42 @@ def device_groups(data_parallel_size: int, tensor_parallel_size: int) -> list[li
             f"use at most {len(devices)}{fix} (on a CPU, "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={m * n} before jax starts)")
     return [list(devices[i * n:(i + 1) * n]) for i in range(m)]
+
+
+def global_device_group(data_parallel_size: int, tensor_parallel_size: int) -> list:
+    """Every device of every process, the one tensor-parallel group of a multi-process run.
+
+    Each process runs the same program over all of them (SPMD), so the group must take
+    every process's devices: a mesh that left a process's devices out would leave that
+    process nothing to run. Raises ValueError naming the fix for a data-parallel size
+    above 1 (replicas across processes are not supported) or a tensor-parallel size other
+    than the global device count."""
+    m, n = data_parallel_size, tensor_parallel_size
+    devices = jax.devices()
+    processes = jax.process_count()
+    if m != 1:
+        raise ValueError(
+            f"data-parallel size {m} with {processes} processes: replicas across processes "
+            f"are not supported; use --data-parallel-size 1 and --tensor-parallel-size "
+            f"{len(devices)} (one tensor-parallel group over every process's devices)")
+    if n != len(devices):
+        raise ValueError(
+            f"tensor-parallel size {n} with {processes} processes of {len(devices)} devices "
+            f"in all: a multi-process engine spans every device; use "
+            f"--tensor-parallel-size {len(devices)}")
+    return list(devices)
+
+
+def min_over_processes(num_bytes: int) -> int:
+    """The smallest of every process's ``num_bytes`` (rounded down to KiB: jax's integers
+    are 32-bit), so that processes sizing a buffer from their own free memory agree on
+    one size; ``num_bytes`` itself with one process."""
+    if jax.process_count() == 1:
+        return num_bytes
+    from jax.experimental import multihost_utils
+
+    kib = multihost_utils.process_allgather(np.array(num_bytes // 1024, np.int32))
+    return int(np.min(kib)) * 1024
 
 
 def param_spec(path: tuple, shape: tuple[int, ...], tp: int) -> P:
@@ -147,17 +188,34 @@ def param_shardings(model: nnx.Module, mesh: Mesh) -> dict[tuple, NamedSharding]
             for path, var in module_param_paths(model)}
 
 
+def put(tree, sharding: NamedSharding):
+    """``jax.device_put(tree, sharding)``, also when the sharding spans other processes'
+    devices (``jax.distributed``), which ``device_put`` refuses for a host value: then
+    each process places its own shards of the value, which every process holds alike
+    (the same checkpoint, the same initial state)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def put_one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sharding)  # already global: a reshard
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put_one, tree)
+
+
 def shard_params(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """Places every parameter of ``model`` with its sharding (in place; returns it)."""
     shardings = param_shardings(model, mesh)
     for path, var in module_param_paths(model):
-        var.set_value(jax.device_put(var[...], shardings[path]))
+        var.set_value(put(var[...], shardings[path]))
     return model
 
 
 def replicate_tree(tree, mesh: Mesh):
     """Every array of ``tree`` replicated on the mesh's devices."""
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    return put(tree, NamedSharding(mesh, P()))
 
 
 def replicate(module: nnx.Module, mesh: Mesh) -> nnx.Module:
@@ -189,7 +247,7 @@ def kv_pages_sharding(mesh: Mesh) -> NamedSharding:
 
 def shard_pages(pages, mesh: Mesh):
     """A KV pool (``KVPages``, every layer) placed with its kv heads on "tp"."""
-    return jax.device_put(pages, kv_pages_sharding(mesh))
+    return put(pages, kv_pages_sharding(mesh))
 
 
 def per_shard(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the engine's)")
     g.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="devices the target is split over (a mesh of the first N local "
-                        "devices; default 1)")
+                        "devices; default 1); multi-host: every process's devices, e.g. 16 "
+                        "for 2 hosts x 8 GPUs")
     g.add_argument("--data-parallel-size", type=_positive_int, default=1,
                    help="engine replicas behind the server, each over its own "
                         "--tensor-parallel-size devices; requests go to the least loaded "
@@ -101,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-precompile", action="store_true",
                    help="compile batch buckets lazily instead of at start-up")
+    m = p.add_argument_group(
+        "multi-host (docs/MULTIHOST.md)",
+        "one tensor-parallel engine over the devices of several processes (jax.distributed):"
+        " start one process per host with the same flags and its own --process-id; process "
+        "0 serves HTTP, the others follow its steps. Each flag defaults to its environment "
+        "variable (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).")
+    m.add_argument("--coordinator-address", default=None,
+                   help="host:port where process 0 runs the jax.distributed coordinator")
+    m.add_argument("--num-processes", type=_positive_int, default=None,
+                   help="processes in all (one per host)")
+    m.add_argument("--process-id", type=int, default=None,
+                   help="this process's number, 0 .. --num-processes - 1 (0 serves)")
     s = p.add_argument_group("server")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients use (default: the model directory's name)")
@@ -154,7 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     api_key = args.api_key or os.environ.get("EAGLE_JAX_API_KEY") or None
 
-    from eagle_jax.engine import EngineConfig, make_engine
+    from eagle_jax.engine import EngineConfig, make_engine, multihost
+
+    try:  # before anything asks jax for its devices
+        distributed = multihost.initialize(args.coordinator_address, args.num_processes,
+                                           args.process_id)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     extra = {}
     if args.prefill_buckets:
@@ -196,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # e.g. more replicas than devices
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if distributed and not multihost.is_leader():
+        return _follow(engine, log)
+    if distributed:
+        engine = multihost.LockstepEngine(engine)
 
     import uvicorn
 
@@ -212,8 +237,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     log.info("serving %s on http://%s:%d (api key %s)", args.served_model_name or engine.model_name,
              args.host, args.port, "required" if api_key else "not required")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    if distributed:
+        # uvicorn re-raises a SIGTERM after its graceful shutdown: as an exception, not
+        # the default handler's exit, so that the finally below releases the followers.
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        if distributed:
+            engine.shutdown()  # the followers return
+    return 0
+
+
+def _raise_system_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _follow(engine, log) -> int:
+    """A follower process: repeats the leader's steps until the leader shuts down."""
+    import jax
+
+    from eagle_jax.engine import multihost
+
+    log.info("process %d of %d: following process %d's steps (it serves HTTP)",
+             jax.process_index(), jax.process_count(), multihost.LEADER)
+    steps = multihost.follow(engine)
+    log.info("the leader shut down after %d steps; exiting", steps)
     return 0
 
 

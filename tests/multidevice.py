@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -90,6 +91,60 @@ def run_sampling_in_subprocess(target: str, draft: str, out_path: str, tp: int, 
     return _child(dict(kind="sample", target=target, draft=draft, out=out_path, tp=tp,
                        config=config, prompt=prompt, num_requests=num_requests,
                        params=params), tp, timeout, FAST_COMPILE_FLAGS)
+
+
+def run_multihost_in_subprocesses(target: str, draft: str, out_path: str, runs: list,
+                                  *, schedule: list, config: dict, processes: int = 2,
+                                  devices: int = 2, timeout: float = 900
+                                  ) -> list[dict[str, np.ndarray]]:
+    """Runs one engine over ``processes`` children of ``devices`` host devices each, joined
+    by ``jax.distributed`` (a local coordinator): for each (algorithm, config overrides)
+    of ``runs`` an engine of ``config`` at tensor-parallel size processes x devices,
+    driven in lockstep (``engine.multihost``): the leader (process 0) runs ``schedule``
+    (``engine_schedule``'s) and then ``_lockstep_abort`` through a ``LockstepEngine``, the
+    others ``follow``. Returns each process's arrays: ``{algo}/{rid}`` (the tokens its
+    engine produced, x and y those of ``_lockstep_abort``), ``{algo}/steps``,
+    ``{algo}/draft_length_steps`` (its steps, by draft length), ``{algo}/unfinished``
+    (whether its engine holds work at the end), ``{algo}/local_devices`` (the device ids
+    it holds) and ``errors/tp``, ``errors/dp``: the ValueErrors of a tensor-parallel size
+    short of every device and of data parallelism across processes."""
+    request = dict(kind="multihost", target=target, draft=draft, runs=list(runs),
+                   schedule=schedule, config=config, num_processes=processes,
+                   coordinator=f"localhost:{_free_port()}")
+    outs = [f"{out_path}.{i}.npz" for i in range(processes)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                         f"{FAST_COMPILE_FLAGS}")
+    children = [subprocess.Popen(
+        [sys.executable, "-m", __name__, json.dumps(dict(request, process_id=i, out=out))],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        for i, out in enumerate(outs)]
+    failures = []
+    for i, child in enumerate(children):
+        try:
+            _, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for c in children:
+                c.kill()
+            raise
+        if child.returncode:
+            failures.append(f"process {i}:\n{stderr[-4000:]}")
+    if failures:
+        for c in children:
+            c.kill()
+        raise RuntimeError("multi-process children failed:\n" + "\n".join(failures))
+    arrays = []
+    for out in outs:
+        with np.load(out) as f:
+            arrays.append(dict(f))
+    return arrays
+
+
+def _free_port() -> int:
+    """A TCP port free now on localhost (the coordinator binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def _child(request: dict, devices: int, timeout: float, xla_flags: str = ""
@@ -358,6 +413,66 @@ def _run_sampling(request: dict) -> dict[str, np.ndarray]:
                 drafted=np.array(engine.stats.num_draft_tokens))
 
 
+def _lockstep_abort(engine) -> None:
+    """"x" and "y" join an idle engine; "y" is aborted after one step, "x" runs out."""
+    from eagle_jax import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("x", [5, 9, 13], params)
+    engine.add_request("y", [7, 8, 9, 10], params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps == 1:
+            engine.abort_request("y")
+        engine.step()
+        steps += 1
+
+
+def _run_multihost(request: dict) -> dict[str, np.ndarray]:
+    import jax
+
+    from eagle_jax.engine import EngineConfig, make_engine, multihost
+
+    assert multihost.initialize(request["coordinator"], request["num_processes"],
+                                request["process_id"])
+    cfg, out = request["config"], {}
+    tp = len(jax.devices())
+    for algo, extra in request["runs"]:
+        engine = make_engine(EngineConfig(
+            model=request["target"], speculative_algorithm=algo,
+            draft_model=request["draft"] if algo != "NONE" else None,
+            tensor_parallel_size=tp, **cfg, **extra))
+        tokens: dict[str, list[int]] = {}
+
+        def record(event, tokens=tokens):
+            for o in event.outputs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+        engine.add_step_listener(record)
+        if multihost.is_leader():
+            lockstep = multihost.LockstepEngine(engine, heartbeat_seconds=None)
+            engine_schedule(lockstep, request["schedule"])
+            _lockstep_abort(lockstep)
+            lockstep.shutdown()
+        else:
+            multihost.follow(engine)
+        for rid, toks in tokens.items():
+            out[f"{algo}/{rid}"] = np.array(toks)
+        out[f"{algo}/steps"] = np.array(engine.stats.num_steps)
+        out[f"{algo}/draft_length_steps"] = np.array(engine.stats.draft_length_steps)
+        out[f"{algo}/unfinished"] = np.array(engine.has_unfinished_requests())
+        out[f"{algo}/local_devices"] = np.array(sorted(
+            d.id for d in engine.devices if d.process_index == jax.process_index()))
+    for name, sizes in (("tp", dict(tensor_parallel_size=tp // 2)),
+                        ("dp", dict(tensor_parallel_size=tp, data_parallel_size=2))):
+        try:
+            make_engine(EngineConfig(model=request["target"], speculative_algorithm="NONE",
+                                     **sizes, **cfg))
+        except ValueError as e:
+            out[f"errors/{name}"] = np.array(str(e))
+    return out
+
+
 def main(request: dict) -> None:
     import jax
 
@@ -367,6 +482,8 @@ def main(request: dict) -> None:
         arrays = _run_engines(request)
     elif request["kind"] == "data_parallel":
         arrays = _run_data_parallel(request)
+    elif request["kind"] == "multihost":
+        arrays = _run_multihost(request)
     elif request["kind"] == "sample":
         arrays = _run_sampling(request)
     else:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
+
 from eagle_jax import parallel
 from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.engine import Engine
@@ -32,8 +34,12 @@ def make_engine(config: EngineConfig, *, tokenizer=None,
     """The engine ``config`` asks for: a plain ``Engine`` at data_parallel_size 1 (the
     keyword arguments passed on), else a ``DataParallelEngine`` of that many replicas
     (one ``tokenizer``, given or loaded once, for all). Raises ValueError naming the fix
-    when the replicas need more devices than there are."""
+    when the replicas need more devices than there are, or, with several processes
+    (``multihost``), unless the config asks for one engine over every process's
+    devices."""
     m = config.data_parallel_size
+    if jax.process_count() > 1:  # one group over every process's devices, or an error
+        parallel.global_device_group(m, config.tensor_parallel_size)
     if m == 1:
         return Engine(config, tokenizer=tokenizer, **kwargs)
     if kwargs:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
 from eagle_jax import parallel
@@ -338,7 +339,10 @@ class Engine:
         cfg = self.config
         if cfg.kv_cache_memory is not None:
             return cfg.kv_cache_memory
-        stats = self.devices[0].memory_stats() or {}
+        # This process's first device (another process's cannot be asked); processes
+        # then agree on the smallest budget, since the pool is one array over all.
+        local = next(d for d in self.devices if d.process_index == jax.process_index())
+        stats = local.memory_stats() or {}
         limit = stats.get("bytes_limit")
         if limit is None:
             if cfg.kv_cache_memory_fraction is not None:
@@ -346,7 +350,7 @@ class Engine:
                                  "memory; pass kv_cache_memory (bytes) instead")
             return None
         fraction = cfg.kv_cache_memory_fraction or DEFAULT_KV_CACHE_MEMORY_FRACTION
-        return int((limit - stats.get("bytes_in_use", 0)) * fraction)
+        return parallel.min_over_processes(int((limit - stats.get("bytes_in_use", 0)) * fraction))
 
     def _size_pool(self) -> None:
         """Sets max_model_len, the pool's page count and the page table's width."""
@@ -418,8 +422,15 @@ class Engine:
         if not 0 <= rate <= 1:
             raise ValueError(f"synthetic acceptance must be in [0, 1], got {rate}")
         # Placed as the state is (a replica's device, a mesh), not on the default device.
-        self.state = self.state._replace(synthetic_acceptance=jax.device_put(
+        self.state = self.state._replace(synthetic_acceptance=self._put(
             np.float32(rate), self.state.synthetic_acceptance.sharding))
+
+    @staticmethod
+    def _put(value, sharding):
+        """``value`` placed as ``sharding`` (a device's, or a mesh's: ``parallel.put``)."""
+        if isinstance(sharding, NamedSharding):
+            return parallel.put(value, sharding)
+        return jax.device_put(value, sharding)
 
     def _feature_width(self) -> int:
         layers = self.draft.feature_layers
@@ -627,8 +638,8 @@ class Engine:
         """Seconds of the bucket's draft catch-up with every ``live`` row MAX_DRAFT_LAG
         positions behind (``time_steps``' rows, after its steps)."""
         catch_up = self._catch_up_fn(bucket)
-        lag = jax.device_put(np.where(live, step_lib.MAX_DRAFT_LAG, 0).astype(np.int32),
-                             self.state.draft_lag.sharding)
+        lag = self._put(np.where(live, step_lib.MAX_DRAFT_LAG, 0).astype(np.int32),
+                        self.state.draft_lag.sharding)
         for calls in (1, repeats):  # the first call warms the executable up
             jax.block_until_ready(self.state.draft_lag)
             t0 = time.perf_counter()
