@@ -27,6 +27,7 @@ The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3 draft of ``bench_engine.py``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -105,6 +106,37 @@ def hit_profile(engine: Engine, args, vocab: int, out_dir: str, requests: int = 
     return device_ms_per_op(out_dir, requests)
 
 
+class _GcPauses:
+    """Wall time of the interpreter's garbage collections while active (a stall source
+    that is neither the device nor the scheduler)."""
+
+    def __init__(self):
+        self.pauses, self._t0 = [], None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def _phase_summary(steps: list[tuple[str, float]]) -> dict:
+    """Step wall times (ms) by where the long prompt was: median, p99, max, count."""
+    out = {}
+    for phase in dict.fromkeys(p for p, _ in steps):
+        ms = np.asarray([t for p, t in steps if p == phase]) * 1e3
+        out[phase] = dict(steps=len(ms), median_ms=float(np.median(ms)),
+                          p99_ms=float(np.percentile(ms, 99)), max_ms=float(ms.max()))
+    return out
+
+
 def streams_row(engine: Engine, budget: int, args, vocab: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.stream_tokens, ignore_eos=True)
@@ -115,29 +147,41 @@ def streams_row(engine: Engine, budget: int, args, vocab: int, seed: int) -> dic
     gaps: list[float] = []
     long_id, long_t0, long_ttft = f"long{budget}", None, None
     steps = 0
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        now = time.perf_counter()
-        steps += 1
-        for o in outs:
-            if o.request_id == long_id:
-                if o.new_token_ids and long_ttft is None:
-                    long_ttft = now - long_t0
-                continue
-            if not o.new_token_ids:
-                continue
-            if o.request_id in last:
-                gaps.append(now - last[o.request_id])
-            last[o.request_id] = now
-        if steps == args.arrive_after:
-            long_t0 = time.perf_counter()
-            engine.add_request(long_id, [int(t) for t in rng.integers(10, vocab, args.long)],
-                               SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    phase = "before"  # the long prompt: before / prefill / decode / done
+    step_times: list[tuple[str, float]] = []
+    with _GcPauses() as pauses:
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            now = time.perf_counter()
+            step_times.append((phase, now - t0))
+            steps += 1
+            for o in outs:
+                if o.request_id == long_id:
+                    if o.new_token_ids and long_ttft is None:
+                        long_ttft = now - long_t0
+                        phase = "decode"
+                    if o.finished:
+                        phase = "done"
+                    continue
+                if not o.new_token_ids:
+                    continue
+                if o.request_id in last:
+                    gaps.append(now - last[o.request_id])
+                last[o.request_id] = now
+            if steps == args.arrive_after:
+                phase = "prefill"
+                long_t0 = time.perf_counter()
+                engine.add_request(long_id, [int(t) for t in rng.integers(10, vocab, args.long)],
+                                   SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     gaps_ms = np.asarray(gaps) * 1e3
     median, p99 = float(np.median(gaps_ms)), float(np.percentile(gaps_ms, 99))
     return dict(budget=budget, streams=args.streams, long=args.long, itl_median_ms=median,
                 itl_p99_ms=p99, p99_over_median=p99 / median, itl_max_ms=float(gaps_ms.max()),
-                long_ttft_ms=1e3 * long_ttft)
+                long_ttft_ms=1e3 * long_ttft, step_ms_by_phase=_phase_summary(step_times),
+                slowest_steps=[dict(step=i, phase=p, ms=1e3 * t) for i, (p, t) in sorted(
+                    enumerate(step_times), key=lambda x: -x[1][1])[:12]],
+                gc_pauses_over_1ms=[(g, 1e3 * t) for g, t in pauses.pauses if t > 1e-3])
 
 
 def main(argv=None):
@@ -153,6 +197,7 @@ def main(argv=None):
     ap.add_argument("--num-steps", type=int, default=5)
     ap.add_argument("--acceptance", type=float, default=0.83)
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    ap.add_argument("--only", default="ttft,streams", help="parts to run (comma-separated)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default="", help="trace prefix-cache hits into DIR and "
                     "print their device time per op (then exit)")
@@ -180,18 +225,19 @@ def main(argv=None):
 
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=shape,
                   num_steps=args.num_steps, acceptance=args.acceptance)
-    on = engine(budget=max(budgets))
+    parts = args.only.split(",")
     if args.profile:
+        on = engine(budget=max(budgets))
         _first_token_time(on, "warm", [int(t) for t in np.arange(args.prefix + args.suffix) % vocab])
         print(f"device time per prefix-cache hit ({args.prefix} cached + {args.suffix}):")
         print_profile(hit_profile(on, args, vocab, args.profile), top=40)
         return
-    result["ttft"] = ttft_rows({"prefix caching": on, "no prefix caching":
-                                engine(caching=False, budget=max(budgets))}, args, vocab)
-    del on
+    result["ttft"] = [] if "ttft" not in parts else ttft_rows(
+        {"prefix caching": engine(budget=max(budgets)),
+         "no prefix caching": engine(caching=False, budget=max(budgets))}, args, vocab)
     result["streams"] = []
     slots = 1 << (args.streams).bit_length()  # the streams and the long prompt
-    for budget in budgets:
+    for budget in budgets if "streams" in parts else []:
         eng = engine(budget=budget, slots=slots, buckets=(args.streams, slots))
         # Warm-up: the long prompt arrives too (every executable of the timed run runs).
         streams_row(eng, budget, dict_args(args, stream_tokens=64, arrive_after=2), vocab, seed=1)
