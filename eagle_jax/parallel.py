@@ -188,7 +188,7 @@ def param_shardings(model: nnx.Module, mesh: Mesh) -> dict[tuple, NamedSharding]
             for path, var in module_param_paths(model)}
 
 
-def put(tree, sharding: NamedSharding):
+def put(tree, sharding: jax.sharding.Sharding):
     """``jax.device_put(tree, sharding)``, also when the sharding spans other processes'
     devices (``jax.distributed``), which ``device_put`` refuses for a host value: then
     each process places its own shards of the value, which every process holds alike
@@ -218,25 +218,19 @@ def replicate_tree(tree, mesh: Mesh):
     return put(tree, NamedSharding(mesh, P()))
 
 
-def replicate(module: nnx.Module, mesh: Mesh) -> nnx.Module:
-    """Places every variable of ``module`` replicated on the mesh (in place; returns it),
-    but for arrays already on the mesh (e.g. a draft's borrowed target embedding / LM
-    head keep their vocabulary-parallel sharding, no copy)."""
-    devices = set(mesh.devices.flat)
+def place(module: nnx.Module, sharding: jax.sharding.Sharding) -> nnx.Module:
+    """Places every array variable of ``module`` with ``sharding`` (in place; returns it):
+    a draft replicated on the target's mesh, or a data-parallel replica's models
+    committed to its one device (else its executables would run on the default device).
+    Arrays already committed to the sharding's devices stay as they are: a draft's
+    borrowed target embedding / LM head keep their vocabulary-parallel sharding, arrays
+    built on the replica's device are not copied."""
+    devices = sharding.device_set
     for _, var in nnx.iter_graph(module):
         if isinstance(var, nnx.Variable) and isinstance(var[...], jax.Array):
-            if var[...].sharding.device_set != devices:
-                var.set_value(replicate_tree(var[...], mesh))
-    return module
-
-
-def commit(module: nnx.Module, device) -> nnx.Module:
-    """Commits every array variable of ``module`` to ``device`` (in place; returns it): a
-    data-parallel replica of one device (no mesh) runs its executables there, not on
-    the default device. Arrays built there under ``jax.default_device`` are not copied."""
-    for _, var in nnx.iter_graph(module):
-        if isinstance(var, nnx.Variable) and isinstance(var[...], jax.Array):
-            var.set_value(jax.device_put(var[...], device))
+            x = var[...]
+            if not (x.committed and x.sharding.device_set == devices):
+                var.set_value(put(x, sharding))
     return module
 
 

@@ -189,14 +189,11 @@ class EngineConfig:
             raise ValueError("synthetic_acceptance must be in [0, 1]")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
-        tp = self.tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer (1 = one "
-                             f"device), got {tp!r}")
-        dp = self.data_parallel_size
-        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-            raise ValueError(f"data_parallel_size must be a positive integer (1 = one "
-                             f"engine), got {dp!r}")
+        for name, one in (("tensor_parallel_size", "device"), ("data_parallel_size", "engine")):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive integer (1 = one {one}), "
+                                 f"got {n!r}")
 
     @property
     def speculative(self) -> bool:

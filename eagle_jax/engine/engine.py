@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from eagle_jax import parallel
@@ -189,11 +189,11 @@ class Engine:
                 self.draft = load_draft(config.draft_model, self.target, dtype)
         self.model_config: ModelConfig = self.target.config
         if self.mesh is not None and self.draft is not None:
-            parallel.replicate(self.draft, self.mesh)
+            parallel.place(self.draft, NamedSharding(self.mesh, P()))
         if self.device is not None:
             for module in (self.target, self.draft):
                 if module is not None:
-                    parallel.commit(module, self.device)
+                    parallel.place(module, SingleDeviceSharding(self.device))
         if self.draft is not None:
             if self.draft.kind != config.speculative_algorithm:
                 raise ValueError(
@@ -422,15 +422,8 @@ class Engine:
         if not 0 <= rate <= 1:
             raise ValueError(f"synthetic acceptance must be in [0, 1], got {rate}")
         # Placed as the state is (a replica's device, a mesh), not on the default device.
-        self.state = self.state._replace(synthetic_acceptance=self._put(
+        self.state = self.state._replace(synthetic_acceptance=parallel.put(
             np.float32(rate), self.state.synthetic_acceptance.sharding))
-
-    @staticmethod
-    def _put(value, sharding):
-        """``value`` placed as ``sharding`` (a device's, or a mesh's: ``parallel.put``)."""
-        if isinstance(sharding, NamedSharding):
-            return parallel.put(value, sharding)
-        return jax.device_put(value, sharding)
 
     def _feature_width(self) -> int:
         layers = self.draft.feature_layers
@@ -638,7 +631,7 @@ class Engine:
         """Seconds of the bucket's draft catch-up with every ``live`` row MAX_DRAFT_LAG
         positions behind (``time_steps``' rows, after its steps)."""
         catch_up = self._catch_up_fn(bucket)
-        lag = self._put(np.where(live, step_lib.MAX_DRAFT_LAG, 0).astype(np.int32),
+        lag = parallel.put(np.where(live, step_lib.MAX_DRAFT_LAG, 0).astype(np.int32),
                         self.state.draft_lag.sharding)
         for calls in (1, repeats):  # the first call warms the executable up
             jax.block_until_ready(self.state.draft_lag)
