@@ -47,7 +47,7 @@ from eagle_jax.kernels.paged_attention import (  # noqa: E402
 
 from benchtools import copy_bandwidth, time_ms  # noqa: E402
 
-ROWS = "decode,verify,long,short,tree,prefill,suffix"
+ROWS = "decode,verify,long,short,tree,prefill,suffix,rider"
 
 
 def make_inputs(seed, kv, ql, *, t, n, k, d, page_size, dtype, table_tokens=None,
@@ -225,6 +225,9 @@ def main():
       # A prefix-cache hit: a short chunk over a long cached prefix.
       "suffix": (f"prefill chunk {chunk // 4} over {ctx // 2}, B=1", 1, chunk // 4, ctx // 2,
                  chunk // 4, None, False),
+      # A prompt chunk riding in a decode step, late in a long prompt.
+      "rider": (f"prefill chunk {chunk // 4} over {2 * ctx}, B=1", 1, chunk // 4, 2 * ctx,
+                chunk // 4, None, False),
   }
   for name in (args.only or ("decode,tree,long" if small else ROWS)).split(","):
     label, b, t, kv_n, q_n, table_tokens, tree = rows[name]
@@ -237,8 +240,9 @@ def main():
     r_ms = time_ms(ref_fn, *a, calls=1 if small else 3, repeats=repeats, warmup=1)
     default = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"])
     configs = [{}]
-    if args.sweep and name == "suffix":  # few programs: splits trade partials for parallelism
-      configs += [dict(num_splits=x, min_split=m) for x, m in ((2, 1024), (4, 512), (8, 256))]
+    if args.sweep and name in ("suffix", "rider"):  # few programs: splits buy parallelism
+      configs += [dict(num_splits=1)] + [dict(num_splits=x, min_split=max(256, kv_n // x))
+                                         for x in (2, 4, 8, 16)]
     elif args.sweep and name not in ("tree", "prefill"):  # tree verify: as verify
       s = default.num_splits
       configs += [dict(block_n=32), dict(block_n=128), dict(num_warps=12 - default.num_warps),
@@ -278,7 +282,7 @@ def main():
     gbs = kv_bytes / k_ms / 1e6
     # 2 dots of 2 * D flops per visible (query, key) pair and query head (causal block).
     pairs = int((ql * (kv - ql) + ql * (ql + 1) // 2).sum())
-    flops = 4 * pairs * N * D if name in ("prefill", "suffix") else None
+    flops = 4 * pairs * N * D if name in ("prefill", "suffix", "rider") else None
     cfg = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"], **tuning)
     results.append(dict(
         row=label, kernel_ms=k_ms, reference_ms=r_ms, ratio=r_ms / k_ms, kv_bytes=kv_bytes,

@@ -10,8 +10,9 @@ The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3 draft of ``bench_engine.py``
    engine without the prefix cache. Medians of ``--repeats`` requests, one at a time.
    A fresh prompt of the hit's computed length (``fresh``) shows what the hit costs
    beyond its own tokens (attention over the cached prefix).
-2. **Streams while a long prompt arrives**: ``--streams`` requests decode; after a few
-   steps a ``--long``-token prompt arrives. For each ``--budgets`` value
+2. **Streams while a long prompt arrives**: ``--streams`` requests decode; once every
+   stream has its first token (all running: their own prompts' prefill is not what is
+   measured) and ``--arrive-after`` steps more, a ``--long``-token prompt arrives. For each ``--budgets`` value
    (``max_num_batched_tokens``) the table gives the streams' inter-token time at the
    median and at p99, their ratio, the worst, and the long prompt's time to first token.
    The inter-token time is the gap between two outputs of a stream: one engine step,
@@ -146,8 +147,8 @@ def streams_row(engine: Engine, budget: int, args, vocab: int, seed: int) -> dic
     last: dict[str, float] = {}
     gaps: list[float] = []
     long_id, long_t0, long_ttft = f"long{budget}", None, None
-    steps = 0
-    phase = "before"  # the long prompt: before / prefill / decode / done
+    steps = 0  # since every stream is running
+    phase = "start"  # the streams' prompts; then the long prompt: before / prefill / ...
     step_times: list[tuple[str, float]] = []
     with _GcPauses() as pauses:
         while engine.has_unfinished_requests():
@@ -155,7 +156,7 @@ def streams_row(engine: Engine, budget: int, args, vocab: int, seed: int) -> dic
             outs = engine.step()
             now = time.perf_counter()
             step_times.append((phase, now - t0))
-            steps += 1
+            steps += phase != "start"
             for o in outs:
                 if o.request_id == long_id:
                     if o.new_token_ids and long_ttft is None:
@@ -166,10 +167,12 @@ def streams_row(engine: Engine, budget: int, args, vocab: int, seed: int) -> dic
                     continue
                 if not o.new_token_ids:
                     continue
-                if o.request_id in last:
+                if o.request_id in last and phase != "start":
                     gaps.append(now - last[o.request_id])
                 last[o.request_id] = now
-            if steps == args.arrive_after:
+            if phase == "start" and len(last) == args.streams:
+                phase = "before"
+            if phase == "before" and steps == args.arrive_after:
                 phase = "prefill"
                 long_t0 = time.perf_counter()
                 engine.add_request(long_id, [int(t) for t in rng.integers(10, vocab, args.long)],
