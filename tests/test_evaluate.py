@@ -4,6 +4,9 @@ independent count from the engine's own statistics over the same workload."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -126,6 +129,37 @@ def test_evaluate_report_matches_engine_counts(pair, tmp_path):
     for name in ("accept_length.png", "acceptance_per_position.png",
                  "accept_length_distribution.png"):
         assert (plots / name).stat().st_size > 0
+
+
+def test_evaluate_at_data_parallel_2_equals_one_engine(pair, tmp_path):
+    """scripts/evaluate.py --data-parallel-size 2 (two host devices, a child process):
+    EAGLE-3 under data parallelism, each batch's requests spread over the replicas. Its
+    greedy run commits the same tokens as one engine (same counts per request, the same
+    accept counts) and equals its own target-only baseline; the per-step records of both
+    replicas add up to the summed engine counters."""
+    args = ["--model", pair["target"], "--draft-model", pair["draft"],
+            "--dataset", pair["data"], "--num-steps", "2", "--temperature", "0",
+            "--batch-size", "3", "--batch-buckets", "3", "--prefill-buckets", "32",
+            "--max-model-len", "64", "--max-tokens", "10", "--seed", "3",
+            "--compilation-cache-dir", "", "--no-progress"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert ev.main(args + ["--json", str(one)]) == 0
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.run(
+        [sys.executable, "scripts/evaluate.py", *args, "--data-parallel-size", "2",
+         "--json", str(two)], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, child.stderr[-3000:]
+    ref, got = (json.loads(p.read_text())["runs"][0] for p in (one, two))
+    assert got["greedy_identical"] == {"identical": 5, "total": 5}
+    assert got["stats_consistent"] is True
+    for key in ("num_drafts", "num_accepted_tokens", "accepted_per_position",
+                "num_output_tokens"):
+        assert got[key] == ref[key], key
+    per_request = lambda run: [(r["output_tokens"], r["finish_reason"], r["mean_accept_length"],
+                                r["exact_match"]) for r in run["requests"]]  # noqa: E731
+    assert per_request(got) == per_request(ref)
 
 
 def test_directory_dataset_windows(pair, tmp_path):

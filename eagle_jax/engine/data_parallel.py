@@ -70,6 +70,7 @@ class DataParallelEngine:
                                           data_parallel_size=len(self.replicas))
         self.tokenizer = first.tokenizer
         self.vocab_size = first.vocab_size
+        self.num_steps = first.num_steps  # the longest draft (0: plain decoding)
         self.model_name = first.model_name
         self.max_model_len = first.max_model_len
         # The server's slot count: every replica's (it sizes the waiting queue from it).

@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compiled prefill chunk lengths (default: the engine's)")
     g.add_argument("--tensor-parallel-size", type=_positive, default=1,
                    help="devices the target is split over (default 1)")
+    g.add_argument("--data-parallel-size", type=_positive, default=1,
+                   help="engine replicas, each over --tensor-parallel-size devices; a "
+                        "batch's requests are spread over them (default 1)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache ('' disables; default: the engine's)")
     g = p.add_argument_group("output")
@@ -278,7 +281,8 @@ def _engine_config(args, target, draft, algo, setting: Setting):
               speculative_algorithm=algo, num_steps=setting.num_steps,
               max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
               dtype=args.dtype, seed=args.seed,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size,
+              data_parallel_size=args.data_parallel_size)
     if setting.is_tree:
         kw.update(speculative_eagle_topk=setting.topk,
                   num_draft_tokens=setting.num_draft_tokens,
@@ -296,10 +300,10 @@ def _engine_config(args, target, draft, algo, setting: Setting):
 
 
 def _make_llm(config, tokenizer):
-    from eagle_jax.engine import LLM, Engine
+    from eagle_jax.engine import LLM, make_engine
     from eagle_jax.eval.recording import StepRecorder
 
-    engine = Engine(config, tokenizer=tokenizer)
+    engine = make_engine(config, tokenizer=tokenizer)
     return LLM(engine=engine), StepRecorder(engine)
 
 
