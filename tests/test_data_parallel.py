@@ -18,7 +18,7 @@ from eagle_jax.engine.data_parallel import least_loaded
 from eagle_jax.engine.types import SchedulerStats, SpecDecodeStats
 
 from .multidevice import run_data_parallel_in_subprocess
-from .test_tensor_parallel import ENGINE_CONFIG, HEAD_CASES, LAYERS
+from .test_tensor_parallel import ENGINE_CONFIG, write_served_target
 
 # Four requests joining at steps 0, 0, 1 and 3, so the router sees replicas of unequal
 # load. The reference is one plain engine.
@@ -35,16 +35,8 @@ VOCAB = 320
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    """The kv2 target of tests/test_tensor_parallel.py with a test tokenizer of its whole
-    vocabulary (the server needs one; the engine's vocabulary is the same either way)."""
-    from eagle_jax.testutil.models import write_tiny_target
-    from eagle_jax.testutil.tokenizer import write_test_tokenizer
-
-    heads, kv_heads = HEAD_CASES["kv2"]
-    out = str(tmp_path_factory.mktemp("dp_target"))
-    write_tiny_target(out, "llama", num_heads=heads, num_kv_heads=kv_heads,
-                      num_layers=LAYERS, vocab_size=VOCAB)
-    return write_test_tokenizer(out, VOCAB)
+    """write_served_target's target (tests/test_tensor_parallel.py)."""
+    return write_served_target(str(tmp_path_factory.mktemp("dp_target")), VOCAB)
 
 
 @pytest.fixture(scope="module")

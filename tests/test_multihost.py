@@ -17,7 +17,7 @@ from eagle_jax.engine import multihost
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength
 
 from .multidevice import run_engines_in_subprocess, run_multihost_in_subprocesses
-from .test_tensor_parallel import ENGINE_CONFIG, ENGINE_SCHEDULE, HEAD_CASES, LAYERS
+from .test_tensor_parallel import ENGINE_CONFIG, ENGINE_SCHEDULE, write_served_target
 
 # EAGLE-3 with the adaptive policy over lengths 0 and 2: its choices follow wall-clock
 # step times, which differ between the processes (the hazard ``LockstepPolicy`` removes),
@@ -31,16 +31,8 @@ VOCAB = 320
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    """The kv2 target of tests/test_tensor_parallel.py with a test tokenizer of its whole
-    vocabulary (the server needs one)."""
-    from eagle_jax.testutil.models import write_tiny_target
-    from eagle_jax.testutil.tokenizer import write_test_tokenizer
-
-    heads, kv_heads = HEAD_CASES["kv2"]
-    out = str(tmp_path_factory.mktemp("multihost_target"))
-    write_tiny_target(out, "llama", num_heads=heads, num_kv_heads=kv_heads,
-                      num_layers=LAYERS, vocab_size=VOCAB)
-    return write_test_tokenizer(out, VOCAB)
+    """write_served_target's target (tests/test_tensor_parallel.py)."""
+    return write_served_target(str(tmp_path_factory.mktemp("multihost_target")), VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,18 @@ HEAD_CASES = {"kv4": (8, 4), "kv2": (8, 2)}
 TP_SIZES = (1, 2, 4)
 
 
+def write_served_target(out: str, vocab_size: int = 320) -> str:
+    """The kv2 target with a test tokenizer of its whole vocabulary (a server needs one;
+    the engine's vocabulary is the same either way), written to ``out``."""
+    from eagle_jax.testutil.models import write_tiny_target
+    from eagle_jax.testutil.tokenizer import write_test_tokenizer
+
+    heads, kv_heads = HEAD_CASES["kv2"]
+    write_tiny_target(out, "llama", num_heads=heads, num_kv_heads=kv_heads, num_layers=LAYERS,
+                      vocab_size=vocab_size)
+    return write_test_tokenizer(out, vocab_size)
+
+
 @pytest.fixture(scope="module", params=sorted(HEAD_CASES))
 def tp_run(request, tiny_targets, tmp_path_factory):
     heads, kv_heads = HEAD_CASES[request.param]
