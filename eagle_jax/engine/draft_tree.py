@@ -34,9 +34,15 @@ How candidates are drawn and chosen depends on how the row is verified
   global rerank breaks this (a high-q child gets expanded, pushing other branches'
   candidates out of the top N, which lifts the child itself into the tree). So these
   rows rank each candidate by a score fixed before its own draw,
-  ``sel = (cum log q of its parent's path) + log(q mass left before its draw)``, which
-  falls along the draw order and from parent to child; and they choose level by level:
-  level l keeps its top ``level_widths[l]`` candidates, every kept node's first child
+  ``sel = sum, over it and its ancestors, of log(q mass left before that node's draw)``
+  (its parent's ``sel`` plus its own term), which falls along the draw order and from
+  parent to child. It leaves out the drawn tokens' own q, which EAGLE-2's path score
+  sums: RRS accepts a drawn token with probability min(1, p / q'), which does not fall
+  with its q, so a path through a low-q draw is no worse a place to grow the tree, while
+  a path through later siblings (whose earlier siblings took mass) is reached less often
+  (on the default pair at T = 1, K = 4: accept length 3.45-3.48 against 3.32-3.33 with
+  the parent's cumulative log q in its place, docs/BENCHMARKS.md). They choose level
+  by level: level l keeps its top ``level_widths[l]`` candidates, every kept node's first child
   before any later sibling (the first child's inclusion depends only on its parent's),
   then by ``sel``; every kept node is expanded. So a sampled path that reaches a kept
   node finds children there, as a chain's does. A level's ranking only compares
@@ -202,6 +208,7 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
     levels: list[_Level] = []
     qs = []  # q of every expanded node: the root, then each frontier
     front_cum = jnp.zeros((batch, 1), jnp.float32)  # the root's path score
+    front_sel = jnp.zeros((batch, 1), jnp.float32)  # sampled rows: the root's sel
     front_hidden = hidden[:, None]  # [B, R, H] of the expanded nodes
     front_logits = logits[:, None]  # [B, R, Vd]
     ancestors = []  # per level above: [B, F] each frontier node's ancestor's rank there
@@ -213,7 +220,7 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
             vocab_size, K)
         qs.append(q)
         cum = front_cum[:, :, None] + step_lp  # [B, R, K]; -inf propagates
-        pre_draw = front_cum[:, :, None] + jnp.log(jnp.maximum(q_left, 0.0))
+        pre_draw = front_sel[:, :, None] + jnp.log(jnp.maximum(q_left, 0.0))  # sel
         key = jnp.where(jnp.isfinite(cum),
                         jnp.where(real_rows[:, None, None], pre_draw, cum), _NEG)
         if level > 1:  # a sampled row keeps every kept node's first child first
@@ -226,6 +233,7 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
         lv = _Level(flat(tokens), flat(jnp.arange(r)[None, :, None]),
                     flat(first_row + jnp.arange(r)[None, :, None]), flat(cum), key, frontier)
         levels.append(lv)
+        sel = flat(pre_draw)
         if level == S:
             break
         # Expand the frontier: one draft forward over its F tokens at scratch positions,
@@ -234,6 +242,7 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
         take = lambda a: jnp.take_along_axis(a, frontier, axis=1)
         parent_rank = take(lv.parent_rank)
         front_cum = jnp.where(jnp.isfinite(take(lv.key)), take(lv.cum), _NEG)
+        front_sel = take(sel)
         ancestors = [jnp.take_along_axis(a, parent_rank, axis=1) for a in ancestors]
         ancestors.append(jnp.broadcast_to(jnp.arange(size), (batch, size)))
         offset = sum(sizes[:level - 1])
