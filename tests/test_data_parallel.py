@@ -136,7 +136,7 @@ class _Replica:
         self.sched = sched
         self.config = EngineConfig(model="m", speculative_algorithm="NONE")
         self.tokenizer, self.vocab_size, self.model_name = None, 10, "m"
-        self.max_model_len, self.num_slots = 32, 4
+        self.max_model_len, self.num_slots, self.num_steps = 32, 4, 0
 
     def num_running(self):
         return self.running
