@@ -404,8 +404,7 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        prompt = [int(i) for i in (prompt_ids or ())]
-        window = prompt[-self._PROMPT_WINDOW :]
+        window = [int(i) for i in list(prompt_ids or ())[-self._PROMPT_WINDOW :]]
         self._ids: list[int] = list(window)
         self._prefix_offset = 0
         self._read_offset = len(window)

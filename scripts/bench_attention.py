@@ -243,6 +243,9 @@ def main():
     if args.sweep and name in ("suffix", "rider"):  # few programs: splits buy parallelism
       configs += [dict(num_splits=1)] + [dict(num_splits=x, min_split=max(256, kv_n // x))
                                          for x in (2, 4, 8, 16)]
+      # Latency-bound loops: deeper pipelines and other tile heights, at the heuristic's
+      # splits.
+      configs += [dict(num_stages=3), dict(num_stages=4), dict(block_q=16), dict(block_q=64)]
     elif args.sweep and name not in ("tree", "prefill"):  # tree verify: as verify
       s = default.num_splits
       configs += [dict(block_n=32), dict(block_n=128), dict(num_warps=12 - default.num_warps),

@@ -12,17 +12,19 @@ The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3 draft of ``bench_engine.py``
    beyond its own tokens (attention over the cached prefix).
 2. **Streams while a long prompt arrives**: ``--streams`` requests decode; once every
    stream has its first token (all running: their own prompts' prefill is not what is
-   measured) and ``--arrive-after`` steps more, a ``--long``-token prompt arrives. For each ``--budgets`` value
-   (``max_num_batched_tokens``) the table gives the streams' inter-token time at the
+   measured) and ``--arrive-after`` steps more, a ``--long``-token prompt arrives. For
+   each ``--budgets`` value (``max_num_batched_tokens``) the table gives the streams' inter-token time at the
    median and at p99, their ratio, the worst, and the long prompt's time to first token.
    The inter-token time is the gap between two outputs of a stream: one engine step,
    which commits several tokens at once when speculation accepts (per-token gaps would
-   measure the accept length's spread, not stalls). The largest budget prefills the whole
-   prompt in one step: the run without mixing. Every prompt is drawn afresh: no prefix
-   cache hit.
+   measure the accept length's spread, not stalls). A budget of 0 is the run without
+   mixing: the long prompt in one chunk (the prefill buckets extended to hold it, the
+   budget to hold it and the streams' rows), so one step stalls the streams for its whole
+   prefill. Other budgets carry chunks of at most the largest default prefill bucket.
+   Every prompt is drawn afresh: no prefix cache hit.
 
     python scripts/bench_prefix.py [--prefix 2048 --suffix 64] [--streams 32 --long 8192]
-        [--budgets 448,704,2048,16384] [--small] [--json PATH]
+        [--budgets 256,320,704,0] [--small] [--json PATH]
 """
 
 from __future__ import annotations
@@ -43,14 +45,54 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle_jax import SamplingParams  # noqa: E402
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
+from eagle_jax.engine.config import DEFAULT_PREFILL_BUCKETS  # noqa: E402
 
 from bench_engine import LLAMA_8B, SMALL, random_eagle3, random_target  # noqa: E402
 from benchtools import device_ms_per_op, print_profile  # noqa: E402
 
 
-def _first_token_time(engine: Engine, rid: str, prompt: list[int], max_tokens: int = 1) -> float:
+
+
+class _PrefillTimer:
+    """Times where a request's first token goes: the host's work before the prefill
+    executable is called (admission, prefix match, slot assignment), the prefill
+    executable from its call until its output is ready, and the host's work after (first
+    token's commit, the decode step's dispatch). Installed on an engine's instance."""
+
+    def __init__(self, engine: Engine):
+        self.calls: list[tuple[float, float]] = []
+        build = engine._prefill_fn
+
+        def timed_prefill_fn(size):
+            run = build(size)
+
+            def call(*args):
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(run(*args))  # the engine reads it next anyway
+                self.calls.append((t0, time.perf_counter()))
+                return out
+            return call
+        engine._prefill_fn = timed_prefill_fn
+
+        self.records: list[tuple[float, float, float]] = []
+
+    def record(self, t0: float, t_first: float) -> None:
+        """Splits one request's time to first token at its prefill calls."""
+        calls = [c for c in self.calls if c[0] >= t0]  # (not an untimed request's)
+        (start, _), (_, ready) = calls[0], calls[-1]
+        self.calls.clear()
+        self.records.append((start - t0, ready - start, t_first - ready))
+
+    def medians(self) -> dict:
+        """Milliseconds of each part, medians over the recorded requests."""
+        before, prefill, after = (1e3 * statistics.median(x) for x in zip(*self.records))
+        return dict(host_before_ms=before, prefill_ms=prefill, host_after_ms=after)
+
+
+def _first_token_time(engine: Engine, rid: str, prompt: list[int], max_tokens: int = 1,
+                      timer: _PrefillTimer | None = None) -> float:
     """Seconds from add_request to the output carrying the request's first token; the
-    request then runs to its end."""
+    request then runs to its end. With ``timer``, it also records where the time went."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, params)
@@ -59,6 +101,8 @@ def _first_token_time(engine: Engine, rid: str, prompt: list[int], max_tokens: i
         for o in engine.step():
             if o.request_id == rid and o.new_token_ids and ttft is None:
                 ttft = time.perf_counter() - t0
+                if timer is not None:
+                    timer.record(t0, t0 + ttft)
     return ttft
 
 
@@ -86,6 +130,14 @@ def ttft_rows(engines: dict, args, vocab: int) -> list[dict]:
                    cached_tokens=int(statistics.median(cached)),
                    fresh_ttft_ms=1e3 * statistics.median(fresh))
         row["ratio"] = row["miss_ttft_ms"] / row["second_ttft_ms"]
+        # Where a hit's time goes, in requests of their own: the timer waits for each
+        # prefill call, which the timed requests above do not.
+        timer = _PrefillTimer(engine)
+        for r in range(args.repeats):
+            prefix = [int(t) for t in rng.integers(10, vocab, args.prefix)]
+            _first_token_time(engine, f"{name}-pm{r}", prefix + [1] * args.suffix)
+            _first_token_time(engine, f"{name}-ph{r}", prefix + [2] * args.suffix, timer=timer)
+        row["hit_phases"] = timer.medians()
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -196,7 +248,8 @@ def main(argv=None):
     ap.add_argument("--stream-tokens", type=int, default=512)
     ap.add_argument("--long", type=int, default=8192)
     ap.add_argument("--arrive-after", type=int, default=8, help="steps before it arrives")
-    ap.add_argument("--budgets", default="448,704,2048,16384")
+    ap.add_argument("--budgets", default="256,320,704,0",
+                    help="max_num_batched_tokens per run; 0: the long prompt in one chunk")
     ap.add_argument("--num-steps", type=int, default=5)
     ap.add_argument("--acceptance", type=float, default=0.83)
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
@@ -216,32 +269,36 @@ def main(argv=None):
     max_len = max(args.long, args.prefix + args.suffix) + 512
     budgets = [int(b) for b in args.budgets.split(",")]
 
-    def engine(caching=True, budget=2048, slots=8, buckets=(1, 8)):
+    def engine(caching=True, budget=2048, slots=8, buckets=(1, 8), prefill=DEFAULT_PREFILL_BUCKETS):
         return Engine(EngineConfig(
             model="random", draft_model="random", speculative_algorithm="EAGLE3",
             num_steps=args.num_steps, speculative_policy="fixed",
             synthetic_acceptance=args.acceptance, dtype="bfloat16",
             max_model_len=max_len, max_num_seqs=slots, batch_buckets=buckets,
             kv_cache_memory=(256 << 20) if args.small else (24 << 30),
-            enable_prefix_caching=caching, max_num_batched_tokens=budget,
+            enable_prefix_caching=caching, max_num_batched_tokens=budget, prefill_buckets=prefill,
             compilation_cache_dir=args.compilation_cache), target=target, draft=draft)
 
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=shape,
                   num_steps=args.num_steps, acceptance=args.acceptance)
     parts = args.only.split(",")
     if args.profile:
-        on = engine(budget=max(budgets))
+        on = engine(budget=16384)
         _first_token_time(on, "warm", [int(t) for t in np.arange(args.prefix + args.suffix) % vocab])
         print(f"device time per prefix-cache hit ({args.prefix} cached + {args.suffix}):")
         print_profile(hit_profile(on, args, vocab, args.profile), top=40)
         return
     result["ttft"] = [] if "ttft" not in parts else ttft_rows(
-        {"prefix caching": engine(budget=max(budgets)),
-         "no prefix caching": engine(caching=False, budget=max(budgets))}, args, vocab)
+        {"prefix caching": engine(budget=16384),
+         "no prefix caching": engine(caching=False, budget=16384)}, args, vocab)
     result["streams"] = []
     slots = 1 << (args.streams).bit_length()  # the streams and the long prompt
     for budget in budgets if "streams" in parts else []:
-        eng = engine(budget=budget, slots=slots, buckets=(args.streams, slots))
+        rows = -(-args.long // (args.num_steps + 1))  # of the verify width, for the chunk
+        one_chunk = dict(budget=(rows + slots) * (args.num_steps + 1),
+                         prefill=DEFAULT_PREFILL_BUCKETS + (rows * (args.num_steps + 1),))
+        eng = engine(slots=slots, buckets=(args.streams, slots),
+                     **(one_chunk if budget == 0 else dict(budget=budget)))
         # Warm-up: the long prompt arrives too (every executable of the timed run runs).
         streams_row(eng, budget, dict_args(args, stream_tokens=64, arrive_after=2), vocab, seed=1)
         result["streams"].append(streams_row(eng, budget, args, vocab, seed=2))
@@ -253,11 +310,14 @@ def main(argv=None):
     for r in result["ttft"]:
         print(f"| {r['engine']} | {r['miss_ttft_ms']:.1f} | {r['second_ttft_ms']:.1f} | "
               f"{r['cached_tokens']} | {r['ratio']:.1f}x | {r['fresh_ttft_ms']:.1f} |")
+    for r in result["ttft"]:
+        print(f"{r['engine']}, second request: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in r["hit_phases"].items()))
     print(f"\n| max_num_batched_tokens | ITL median (ms) | ITL p99 (ms) | p99 / median | "
           f"worst (ms) | {args.long}-token prompt TTFT (ms) |")
     print("|---|---|---|---|---|---|")
     for r in result["streams"]:
-        print(f"| {r['budget']} | {r['itl_median_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
+        print(f"| {r['budget'] or 'one chunk (no mixing)'} | {r['itl_median_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
               f"{r['p99_over_median']:.2f} | {r['itl_max_ms']:.1f} | {r['long_ttft_ms']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -442,12 +442,17 @@ def table(rows) -> str:
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   by_key = {(r["model"], r["case"], r["kernel"], r["arch"]): r for r in rows}
   for key in dict.fromkeys((r["model"], r["case"], r["kernel"]) for r in rows):
-    lines.append("| " + " | ".join([*key, *(cell(by_key[(*key, a)]) for a in archs)]) + " |")
+    lines.append("| " + " | ".join([*key, *(cell(by_key.get((*key, a))) for a in archs)])
+                 + " |")
   return "\n".join(lines)
 
 
 def cell(r) -> str:
-  """One kernel on one target: launch, then VGPR / SGPR / spills / LDS / waves (limiter)."""
+  """One kernel on one target: launch, then VGPR / SGPR / spills / LDS / waves (limiter).
+  None: the heuristic launches no such kernel for this target's shapes (a combine kernel
+  where only one architecture's core count splits the keys)."""
+  if r is None:
+    return "not launched"
   if "error" in r:
     return "does not compile"
   limiter = "" if r["limiter"] == "max" else f" ({r['limiter']})"

@@ -207,6 +207,10 @@ def test_no_recompilation_after_warmup(engines):
     (list(range(7, 7 + 96)), SamplingParams(), "exceeds max_model_len"),
     ([5, 305], SamplingParams(), "outside the vocabulary"),
     ([5, -1], SamplingParams(), "outside the vocabulary"),
+    ([5, 2**70], SamplingParams(), "token id 1180591620717411303424 is outside"),
+    ([5, True], SamplingParams(), "must be integers"),
+    ([5, 6.0], SamplingParams(), "must be integers"),
+    ([5, "6"], SamplingParams(), "must be integers"),
 ])
 def test_bad_requests_raise_and_engine_keeps_serving(engines, prompt, params, message):
     eng = engines("eagle3")

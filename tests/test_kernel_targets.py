@@ -72,6 +72,8 @@ def test_nvidia_attention_choices_unchanged():
                      ((64, 6, 4, 128, 8, 4096), (32, 64, 1, 4, 2)),
                      ((1, 1, 4, 128, 8, 32768), (16, 64, 64, 4, 2)),
                      ((1, 512, 4, 128, 8, 8192), (64, 64, 1, 8, 2)),
+                     # A 126-token chunk riding in a decode step: 64 programs, < 132 SMs.
+                     ((1, 126, 4, 128, 8, 8704), (64, 64, 8, 8, 2)),
                      ((8, 6, 8, 256, 8, 8192), (64, 32, 8, 8, 2))]:
     c = cfg(*args, gpu=SM90)
     assert (c.block_q, c.block_n, c.num_splits, c.num_warps, c.num_stages) == want, args

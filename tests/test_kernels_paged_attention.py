@@ -267,6 +267,11 @@ def test_heuristic():
   assert (cfg.block_q, cfg.min_split) == (32, 512)
   cfg = bs(1, 512, 4, 128, 8, 8192)
   assert (cfg.block_q, cfg.num_splits) == (64, 1)
+  # A short chunk (126 tokens, 504 rows) over a long table: its 64-row tiles give 64
+  # programs, fewer than the 132 SMs, so its keys split at 2 x rows (1024) instead of
+  # its tiles narrowing: 8 splits bring 512 programs.
+  cfg = bs(1, 126, 4, 128, 8, 8704)
+  assert (cfg.block_q, cfg.min_split, cfg.num_splits) == (64, 1024, 8)
   for cfg in (bs(3, 5, 3, 80, 2, 1000), bs(1, 1, 1, 256, 1, 1 << 20)):
     for v in (cfg.block_q, cfg.block_n, cfg.block_d, cfg.min_split):
       assert v & (v - 1) == 0

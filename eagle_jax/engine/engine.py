@@ -531,16 +531,26 @@ class Engine:
                    self.chunk_len)
         return max(1, room // self.verify_width)
 
-    def _assign_fn(self):
+    def _assign_slot(self, slot: int, sampling: SamplingRows, key: np.ndarray) -> None:
+        """Dispatches ``step.assign_slot`` for a request admitted into ``slot``."""
         i32 = jax.ShapeDtypeStruct((), jnp.int32)
         rows = SamplingRows(*(jax.ShapeDtypeStruct((1,), x.dtype)
                               for x in SamplingRows.padded(1)))
-        return self._executable(("assign",), step_lib.assign_slot, (
-            self.state, i32, rows, jax.ShapeDtypeStruct((2,), jnp.uint32)), (0,))
+        assign = self._executable(("assign",), step_lib.assign_slot, (
+            step_lib.slot_fields(self.state), i32, rows,
+            jax.ShapeDtypeStruct((2,), jnp.uint32)), (0,))
+        self._update_slot_fields(assign(step_lib.slot_fields(self.state), np.int32(slot),
+                                        sampling, key))
 
-    def _release_fn(self):
-        return self._executable(("release",), step_lib.release_slot,
-                                (self.state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
+    def _release_slot(self, slot: int) -> None:
+        """Dispatches ``step.release_slot`` for a request that left ``slot``."""
+        release = self._executable(("release",), step_lib.release_slot, (
+            step_lib.slot_fields(self.state), jax.ShapeDtypeStruct((), jnp.int32)), (0,))
+        self._update_slot_fields(release(step_lib.slot_fields(self.state), np.int32(slot)))
+
+    def _update_slot_fields(self, fields: step_lib.DecodeState) -> None:
+        self.state = self.state._replace(**{f: getattr(fields, f)
+                                            for f in step_lib.SLOT_FIELDS})
 
     def precompile(self, with_logprobs: bool = False) -> None:
         """Compiles every prefill and step bucket ahead of serving, several at once:
@@ -653,19 +663,27 @@ class Engine:
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
-        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
+        # Checked by type and with numpy, not token by token in Python: a long prompt's
+        # checks are on its time to first token.
+        kinds = set(map(type, prompt))
+        if bool in kinds or not all(issubclass(k, (int, np.integer)) for k in kinds):
             raise ValueError("prompt token ids must be integers")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+        try:
+            ids = np.asarray(prompt, np.int64)
+        except OverflowError:
+            ids = None
+        if ids is None or ids.min() < 0 or ids.max() >= self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        prompt = ids.tolist()
         if len(prompt) + 1 > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens; with at least one generated token it "
                 f"exceeds max_model_len {self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
-        req = _Request(request_id, [int(t) for t in prompt], params, time.monotonic(),
+        req = _Request(request_id, prompt, params, time.monotonic(),
                        stop_ids=frozenset(params.stop_token_ids) | (
                            frozenset() if params.ignore_eos else frozenset(self.eos_ids)))
         if self.tokenizer is not None:
@@ -833,8 +851,7 @@ class Engine:
                 self._rng.integers(0, 2**31 - 1))
         # A resumed request draws from a fresh stream, not the one it began with.
         key = _threefry_key(req.seed + (req.preemptions << 32))
-        self.state = self._assign_fn()(self.state, np.int32(slot),
-                                       SamplingRows.from_params(req.params), key)
+        self._assign_slot(slot, SamplingRows.from_params(req.params), key)
         return req
 
     def _next_chunk(self, req: _Request, max_len: int, size: int | None = None
@@ -928,7 +945,7 @@ class Engine:
         self._register_pages(req)  # its own pages may serve its recompute
         self.page_allocator.free(req.slot)
         self._slots[req.slot] = None
-        self.state = self._release_fn()(self.state, np.int32(req.slot))
+        self._release_slot(req.slot)
         req.slot, req.in_flight, req.in_prefill, req.draft_lag = -1, 0, False, 0
         req.preemptions += 1
         self.num_preemptions += 1
@@ -1151,7 +1168,7 @@ class Engine:
             self._slots[req.slot] = None
             self._register_pages(req)
             self.page_allocator.free(req.slot)
-            self.state = self._release_fn()(self.state, np.int32(req.slot))
+            self._release_slot(req.slot)
         self._requests.pop(req.request_id, None)
 
     def _output(self, req: _Request, new_tokens, new_logprobs, new_text: str = "") -> RequestOutput:

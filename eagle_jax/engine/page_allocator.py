@@ -82,12 +82,14 @@ def page_hashes(tokens, page_size: int, known: list[bytes] = ()) -> list[bytes]:
     key and the page's tokens, so equal keys mean equal prefixes (a 128-bit BLAKE2b: a
     collision would hand one request another's KV, so no 64-bit ``hash``). ``known``:
     the keys of the first pages, computed before (extended, not recomputed)."""
-    tokens = np.asarray(tokens, np.int64)
     keys = list(known)
     parent = keys[-1] if keys else b""
-    for i in range(len(keys), len(tokens) // page_size):
-        parent = hashlib.blake2b(parent + tokens[i * page_size:(i + 1) * page_size].tobytes(),
-                                 digest_size=16).digest()
+    data = memoryview(np.asarray(tokens, np.int64).tobytes())  # (one conversion, no copies)
+    step = page_size * 8
+    for i in range(len(keys), len(data) // step):
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(data[i * step:(i + 1) * step])
+        parent = digest.digest()
         keys.append(parent)
     return keys
 

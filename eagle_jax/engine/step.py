@@ -590,6 +590,18 @@ def _finish_chunk(target, draft, state: DecodeState, chunk: PrefillChunk, hidden
     return state._replace(**updates), PrefillOutput(first, lp[0], top_ids[0], top_lp[0])
 
 
+# The fields assign_slot and release_slot write: a request's admission and end dispatch
+# executables over these alone, not the whole state (the KV pools are ~2 x layers
+# buffers, each of them a cost of every dispatch it passes through).
+SLOT_FIELDS = ("seq_len", "sampling", "key", "active", "draft_lag")
+
+
+def slot_fields(state: DecodeState) -> DecodeState:
+    """``state`` with only ``SLOT_FIELDS``, every other field None."""
+    return DecodeState(**{f: getattr(state, f) if f in SLOT_FIELDS else None
+                          for f in DecodeState._fields})
+
+
 def assign_slot(state: DecodeState, slot: Array, sampling: SamplingRows,
                 key: Array) -> DecodeState:
     """Writes a new request's sampling rows ([1] each) into ``slot`` (inactive until

@@ -242,8 +242,20 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
 
   MIN_SPLIT = max(256, 16 * T * G) keys, a power of two: a split's partials cost
   ~8 * T * G * D bytes (float32 write + read) against >= MIN_SPLIT * 2 * D * itemsize
-  bytes of K/V, so with MIN_SPLIT >= 16 * T * G they stay below 1/8 of the live KV bytes
-  (a prefill chunk, T * G in the thousands, effectively never splits).
+  bytes of K/V, so with MIN_SPLIT >= 16 * T * G they stay below 1/8 of the live KV bytes.
+  A prefill chunk's block (T * G >= 256 rows) whose query tiles give fewer programs
+  than the GPU has cores takes MIN_SPLIT = 2 * T * G instead (partials up to 1/2 of the
+  KV bytes): one sequence's short chunk over a long prefix (a chunk riding in a decode
+  step, a prefix-cache hit's suffix) is a grid smaller than the GPU whose programs each
+  scan every key, latency-bound, so splits pay for their partials; such a block keeps
+  64-row query tiles (the narrowing above is for tree verifies) and gets its parallelism
+  from splits. H200, 2026-12-02 (``bench_attention.py --only rider,suffix --sweep``, two
+  sweeps): a 128-token chunk over 8192 keys took 0.205-0.259 ms unsplit at 32-row
+  tiles, 0.16-0.19 ms in 2 to 16 splits, 0.141 ms at 64-row tiles in 8 splits (this
+  rule); over 2048 keys every setting measured 0.060-0.086 ms (no setting stands out of
+  the run-to-run spread; this rule: 2 splits). Longer chunks fill the GPU with query
+  tiles and keep the 16x rule; on gfx942 (304 CUs) a 512-token chunk (256 programs)
+  splits too.
   num_splits = the power of two that brings B * K * query tiles up to ~512 programs, but
   no more than the page table's capacity / MIN_SPLIT and 64: decode at B = 1 over a 32k
   table gets 64 splits (512 programs of 512 keys), B = 64 decode with K = 8 none. On the
@@ -258,15 +270,17 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   block_d = max(16, _common.next_power_of_2(head_dim))
   bq = block_q or min(64, max(16, _common.next_power_of_2(rows)))
   bn = block_n or (64 if block_d <= 128 else 32) * 32 // gpu.warp_size
-  ms = min_split or max(256, _common.next_power_of_2(16 * rows))
-  ms = max(ms, bn)
   if block_q is None:
     # A few sequences' wide query blocks (a draft tree's verify at small batch) would
     # leave most cores idle: narrower query tiles until half the cores have a program.
-    while bq > 16 and rows >= 64 and batch * kv_heads * _common.cdiv(rows, bq) < (
+    # Not a prefill chunk's (>= 256 rows): its keys split instead (below).
+    while bq > 16 and 64 <= rows < 256 and batch * kv_heads * _common.cdiv(rows, bq) < (
         gpu.num_cores // 2):
       bq //= 2
   q_tiles = _common.cdiv(rows, bq)
+  small_chunk = rows >= 256 and batch * kv_heads * q_tiles < gpu.num_cores
+  ms = min_split or max(256, _common.next_power_of_2((2 if small_chunk else 16) * rows))
+  ms = max(ms, bn)
   if num_splits is None:
     programs = batch * kv_heads * q_tiles
     want = _common.next_power_of_2(_common.cdiv(_TARGET_PROGRAMS, programs))
