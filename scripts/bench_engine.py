@@ -37,7 +37,8 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eagle_jax import SamplingParams  # noqa: E402
+from eagle_jax import SamplingParams, parallel  # noqa: E402
+from eagle_jax.checkpoint import module_param_paths  # noqa: E402
 from eagle_jax.config import ModelConfig, RopeScaling  # noqa: E402
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
 from eagle_jax.models.decoder import Decoder  # noqa: E402
@@ -52,19 +53,29 @@ SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers
              num_heads=4, num_kv_heads=2, head_dim=64)
 
 
-def random_target(shape: dict, dtype) -> Decoder:
+def random_target(shape: dict, dtype, mesh=None) -> Decoder:
+    """A Llama-shaped target of random weights. With ``mesh`` (``parallel.make_mesh``), built
+    for tensor parallelism over it, each parameter created with its sharding: no device
+    ever holds a whole model that one device could not."""
     cfg = ModelConfig(architecture="LlamaForCausalLM", rms_norm_eps=1e-5, rope_theta=500000.0,
                       rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
                       max_position_embeddings=131072, eos_token_ids=(), **shape)
-    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    fill = jax.jit(lambda key, shape: (jax.random.normal(key, shape, jnp.float32) * 0.02
-                                       ).astype(dtype), static_argnums=1)
-    for i, (path, var) in enumerate(
-            (p, v) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)):
-        if "norm" in str(path):
-            var.set_value(jnp.ones(var.shape, dtype))
-        else:
-            var.set_value(fill(jax.random.PRNGKey(i), tuple(var.shape)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, mesh=mesh, rngs=nnx.Rngs(0)))
+    shardings = parallel.param_shardings(model, mesh) if mesh is not None else {}
+    fills = {}  # one jitted fill per (sharding, ones)
+
+    def fill(key, shape, sharding, ones):
+        if (sharding, ones) not in fills:
+            placed = {} if sharding is None else dict(out_shardings=sharding)
+            fills[(sharding, ones)] = jax.jit(
+                lambda key, shape: (jnp.ones(shape, dtype) if ones else (
+                    jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)),
+                static_argnums=1, **placed)
+        return fills[(sharding, ones)](key, shape)
+
+    for i, (path, var) in enumerate(module_param_paths(model)):
+        var.set_value(fill(jax.random.PRNGKey(i), tuple(var.shape), shardings.get(path),
+                           "norm" in str(path)))
     return model
 
 
