@@ -79,6 +79,17 @@ def random_target(shape: dict, dtype, mesh=None) -> Decoder:
     return model
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters: what one decode step reads at least once."""
+    return sum(v.size * v.dtype.itemsize for _, v in nnx.iter_graph(model)
+               if isinstance(v, nnx.Param))
+
+
+def kv_bytes_per_token(shape: dict, itemsize: int) -> int:
+    """K and V bytes of one position over every layer of a target of ``shape``."""
+    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * itemsize
+
+
 def random_eagle3(target: Decoder, dtype, draft_vocab: int) -> object:
     t = target.config
     hf = dict(architectures=["LlamaForCausalLMEagle3"], hidden_size=t.hidden_size,
@@ -231,14 +242,13 @@ def main(argv=None):
     bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)
     target = random_target(shape, dtype)
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
-    weight_bytes = sum(v.size * v.dtype.itemsize for _, v in nnx.iter_graph(target)
-                       if isinstance(v, nnx.Param))
+    weights = weight_bytes(target)
     a, S = args.acceptance, args.num_steps
     expected_len = 1 + sum(a ** i for i in range(1, S + 1))
     per_request = args.prompt_len + args.new_tokens + 2 * (S + 1)
 
     itemsize = jnp.dtype(dtype).itemsize
-    kvb = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * itemsize
+    kvb = kv_bytes_per_token(shape, itemsize)
     draft_kvb = 2 * draft.config.num_kv_heads * draft.config.head_dim * itemsize
 
     def engines(max_model_len, kv_tokens, buckets):
@@ -270,7 +280,7 @@ def main(argv=None):
             s_tps, s_tpot, *_ = decode_rate(spec, b, args.prompt_len, args.new_tokens, seed=2)
             acc = (spec.stats.num_accepted_tokens - s0[0]) / max(spec.stats.num_drafts - s0[1], 1)
             live = args.prompt_len + args.new_tokens / 2  # mean live tokens while decoding
-            bound = b * bw / (weight_bytes + b * live * kvb)  # one read of weights + live KV
+            bound = b * bw / (weights + b * live * kvb)  # one read of weights + live KV
             rows.append(dict(max_model_len=max_len, batch=b, plain_tok_s=p_tps,
                              plain_tpot_ms=p_tpot * 1e3, spec_tok_s=s_tps,
                              spec_tpot_ms=s_tpot * 1e3, speedup=s_tps / p_tps,
@@ -294,7 +304,7 @@ def main(argv=None):
         for name, eng in (("plain", plain), ("spec", spec)):
             decode_rate(eng, 1, args.long - 128, 8, seed=1)
             tps, tpot, *_ = decode_rate(eng, 1, args.long - 128, 128, seed=2)
-            bound = bw / (weight_bytes + args.long * kvb)
+            bound = bw / (weights + args.long * kvb)
             extra[f"long_{name}"] = dict(live_tokens=args.long, tok_s=tps, tpot_ms=tpot * 1e3,
                                          bound_tok_s=bound, vs_bound=tps / bound)
             print(json.dumps({f"long_{name}": extra[f"long_{name}"]}), flush=True)
@@ -330,7 +340,7 @@ def main(argv=None):
         if res.returncode:
             print(f"HF baseline failed:\n{res.stderr[-3000:]}", flush=True)
 
-    print(f"\nweights {weight_bytes / 1e9:.2f} GB, KV {kvb / 2**10:.0f} KiB per token, copy "
+    print(f"\nweights {weights / 1e9:.2f} GB, KV {kvb / 2**10:.0f} KiB per token, copy "
           f"bandwidth {bw / 1e9:.0f} GB/s, expected accept length {expected_len:.2f} "
           f"(a = {a}, S = {S}), page size {args.page_size}\n")
     print("| max_model_len | batch | plain tok/s | plain TPOT ms | bound tok/s | plain/bound | "
@@ -346,7 +356,7 @@ def main(argv=None):
               f"{r['speedup']:.2f}x | {hf_cols} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=device, copy_gbps=bw / 1e9, weight_bytes=weight_bytes,
+            json.dump(dict(device=device, copy_gbps=bw / 1e9, weight_bytes=weights,
                            kv_bytes_per_token=kvb, rows=rows, **extra), f, indent=2)
 
 

@@ -32,7 +32,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,7 +39,8 @@ from eagle_jax import parallel  # noqa: E402
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
 from eagle_jax.engine.data_parallel import DataParallelEngine  # noqa: E402
 
-from bench_engine import LLAMA_8B, SMALL, decode_rate, random_eagle3, random_target  # noqa: E402
+from bench_engine import (LLAMA_8B, SMALL, decode_rate, kv_bytes_per_token,  # noqa: E402
+                          random_eagle3, random_target, weight_bytes)
 from benchtools import copy_bandwidth  # noqa: E402
 
 LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
@@ -48,18 +48,14 @@ LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, n
 SMALL_WIDE = dict(SMALL, num_layers=8)  # the smoke run's stand-in for the 70B shape
 
 
-def weight_bytes(model) -> int:
-    return sum(v.size * v.dtype.itemsize for _, v in nnx.iter_graph(model)
-               if isinstance(v, nnx.Param))
-
-
 def engine(args, target, draft=None, *, batch: int, kv_gib: float, devices=None):
     """A plain (no draft) or speculative engine over ``target``, every bucket compiled."""
-    common = dict(model="random", dtype="bfloat16", max_model_len=args.prompt_len + args.new_tokens
-                  + 64, max_num_seqs=batch, batch_buckets=(batch,), prefill_buckets=(
-                      args.prompt_len,), kv_cache_memory=int(kv_gib * 2**30),
-                  compilation_cache_dir="", tensor_parallel_size=parallel.tensor_parallel_size(
-                      target.mesh))
+    common = dict(model="random", dtype="bfloat16",
+                  max_model_len=args.prompt_len + args.new_tokens + 64,
+                  max_num_seqs=batch, batch_buckets=(batch,),
+                  prefill_buckets=(args.prompt_len,), kv_cache_memory=int(kv_gib * 2**30),
+                  compilation_cache_dir="",
+                  tensor_parallel_size=parallel.tensor_parallel_size(target.mesh))
     if draft is None:
         return Engine(EngineConfig(speculative_algorithm="NONE", **common), target=target,
                       devices=devices)
@@ -67,6 +63,15 @@ def engine(args, target, draft=None, *, batch: int, kv_gib: float, devices=None)
                                num_steps=args.num_steps, speculative_policy="fixed",
                                synthetic_acceptance=args.acceptance, **common),
                   target=target, draft=draft, devices=devices)
+
+
+def bound_tpot(args, shape, target, tp: int, batch: int, bw: float) -> float:
+    """Seconds of a plain step's floor: each of ``tp`` GPUs reads its 1/tp of the weights
+    and of the batch's live KV (the mean live length while decoding) at the copy
+    bandwidth ``bw`` measured in the same run."""
+    live = args.prompt_len + args.new_tokens / 2
+    kv = batch * live * kv_bytes_per_token(shape, jnp.dtype(jnp.bfloat16).itemsize)
+    return (weight_bytes(target) + kv) / tp / bw
 
 
 def rate(eng, batch: int, args):
@@ -102,9 +107,7 @@ def tp_rows(args, shape) -> list[dict]:
 
 def big_row(args, shape, bw: float) -> dict:
     target, (p_tps, p_tpot), (s_tps, s_tpot) = pair(args, shape, args.tp, 1)
-    kv_per_token = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * 2
-    live = args.prompt_len + args.new_tokens / 2
-    bound_s = (weight_bytes(target) + live * kv_per_token) / args.tp / bw
+    bound_s = bound_tpot(args, shape, target, args.tp, 1, bw)
     row = dict(tp=args.tp, weights_gb=weight_bytes(target) / 1e9, plain_tpot_ms=1e3 * p_tpot,
                bound_tpot_ms=1e3 * bound_s, plain_vs_bound=bound_s / p_tpot,
                spec_tpot_ms=1e3 * s_tpot, speedup=s_tps / p_tps)

@@ -13,8 +13,9 @@ The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3 draft of ``bench_engine.py``
 2. **Streams while a long prompt arrives**: ``--streams`` requests decode; once every
    stream has its first token (all running: their own prompts' prefill is not what is
    measured) and ``--arrive-after`` steps more, a ``--long``-token prompt arrives. For
-   each ``--budgets`` value (``max_num_batched_tokens``) the table gives the streams' inter-token time at the
-   median and at p99, their ratio, the worst, and the long prompt's time to first token.
+   each ``--budgets`` value (``max_num_batched_tokens``) the table gives the streams'
+   inter-token time at the median and at p99, their ratio, the worst, and the long
+   prompt's time to first token.
    The inter-token time is the gap between two outputs of a stream: one engine step,
    which commits several tokens at once when speculation accepts (per-token gaps would
    measure the accept length's spread, not stalls). A budget of 0 is the run without
@@ -51,8 +52,6 @@ from bench_engine import LLAMA_8B, SMALL, random_eagle3, random_target  # noqa: 
 from benchtools import device_ms_per_op, print_profile  # noqa: E402
 
 
-
-
 class _PrefillTimer:
     """Times where a request's first token goes: the host's work before the prefill
     executable is called (admission, prefix match, slot assignment), the prefill
@@ -60,7 +59,8 @@ class _PrefillTimer:
     token's commit, the decode step's dispatch). Installed on an engine's instance."""
 
     def __init__(self, engine: Engine):
-        self.calls: list[tuple[float, float]] = []
+        self.calls: list[tuple[float, float]] = []  # (call, output ready) per prefill
+        self.records: list[tuple[float, float, float]] = []  # (before, prefill, after)
         build = engine._prefill_fn
 
         def timed_prefill_fn(size):
@@ -73,8 +73,6 @@ class _PrefillTimer:
                 return out
             return call
         engine._prefill_fn = timed_prefill_fn
-
-        self.records: list[tuple[float, float, float]] = []
 
     def record(self, t0: float, t_first: float) -> None:
         """Splits one request's time to first token at its prefill calls."""
@@ -269,14 +267,16 @@ def main(argv=None):
     max_len = max(args.long, args.prefix + args.suffix) + 512
     budgets = [int(b) for b in args.budgets.split(",")]
 
-    def engine(caching=True, budget=2048, slots=8, buckets=(1, 8), prefill=DEFAULT_PREFILL_BUCKETS):
+    def engine(caching=True, budget=2048, slots=8, buckets=(1, 8),
+               prefill=DEFAULT_PREFILL_BUCKETS):
         return Engine(EngineConfig(
             model="random", draft_model="random", speculative_algorithm="EAGLE3",
             num_steps=args.num_steps, speculative_policy="fixed",
             synthetic_acceptance=args.acceptance, dtype="bfloat16",
             max_model_len=max_len, max_num_seqs=slots, batch_buckets=buckets,
             kv_cache_memory=(256 << 20) if args.small else (24 << 30),
-            enable_prefix_caching=caching, max_num_batched_tokens=budget, prefill_buckets=prefill,
+            enable_prefix_caching=caching, max_num_batched_tokens=budget,
+            prefill_buckets=prefill,
             compilation_cache_dir=args.compilation_cache), target=target, draft=draft)
 
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=shape,
