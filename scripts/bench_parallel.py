@@ -6,7 +6,8 @@ E[accept length] = 1 + a + ... + a^S. Each part prints a table:
 
 - ``tp``: the Llama-3.1-8B shape at tensor parallel 1 and ``--tp`` in the same run,
   plain and speculative (EAGLE-3-shaped draft), at ``--batch-sizes``: TPOT of each, the
-  ratio tp-N / tp-1 of the plain TPOT, the speculative speed-up at each size.
+  plain step's bound at each size (as for ``70b`` below), the ratio tp-N / tp-1 of the
+  plain TPOT, the speculative speed-up at each size.
 - ``70b``: the Llama-3.1-70B shape (80 layers, hidden 8192, 64 / 8 heads, MLP 28672,
   vocabulary 128256) at tensor parallel ``--tp``, batch 1: plain decoding against the
   per-GPU weight-read bound (each GPU reads its 1/N of the weights and of the live KV
@@ -92,13 +93,16 @@ def pair(args, shape, tp: int, batch: int):
     return target, plain, spec
 
 
-def tp_rows(args, shape) -> list[dict]:
+def tp_rows(args, shape, bw: float) -> list[dict]:
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
-        by_tp = {tp: pair(args, shape, tp, b)[1:] for tp in (1, args.tp)}
-        (p1, s1), (pn, sn) = by_tp[1], by_tp[args.tp]
+        by_tp = {tp: pair(args, shape, tp, b) for tp in (1, args.tp)}
+        (target, p1, s1), (_, pn, sn) = by_tp[1], by_tp[args.tp]
         rows.append(dict(batch=b, tp=args.tp, plain_tpot_ms_tp1=1e3 * p1[1],
-                         plain_tpot_ms=1e3 * pn[1], tpot_ratio=pn[1] / p1[1],
+                         bound_tpot_ms_tp1=1e3 * bound_tpot(args, shape, target, 1, b, bw),
+                         plain_tpot_ms=1e3 * pn[1],
+                         bound_tpot_ms=1e3 * bound_tpot(args, shape, target, args.tp, b, bw),
+                         tpot_ratio=pn[1] / p1[1],
                          spec_tpot_ms_tp1=1e3 * s1[1], spec_tpot_ms=1e3 * sn[1],
                          speedup_tp1=s1[0] / p1[0], speedup=sn[0] / pn[0]))
         print(json.dumps(rows[-1]), flush=True)
@@ -159,7 +163,7 @@ def main(argv=None):
     bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)
     result = dict(device=jax.devices()[0].device_kind, copy_bandwidth=bw, args=vars(args))
     if "tp" in parts:
-        result["tp"] = tp_rows(args, SMALL if args.small else LLAMA_8B)
+        result["tp"] = tp_rows(args, SMALL if args.small else LLAMA_8B, bw)
     if "70b" in parts:
         result["70b"] = big_row(args, SMALL_WIDE if args.small else LLAMA_70B, bw)
     if "dp" in parts:
@@ -167,12 +171,13 @@ def main(argv=None):
 
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s, a = {args.acceptance}, S = {args.num_steps}")
     if result.get("tp"):
-        print(f"\n| batch | plain TPOT tp1 (ms) | plain TPOT tp{args.tp} (ms) | ratio | "
-              f"spec TPOT tp1 (ms) | spec TPOT tp{args.tp} (ms) | speed-up tp1 | "
-              f"speed-up tp{args.tp} |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(f"\n| batch | plain TPOT tp1 (ms) | bound tp1 (ms) | plain TPOT tp{args.tp} (ms) | "
+              f"bound tp{args.tp} (ms) | ratio | spec TPOT tp1 (ms) | "
+              f"spec TPOT tp{args.tp} (ms) | speed-up tp1 | speed-up tp{args.tp} |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in result["tp"]:
-            print(f"| {r['batch']} | {r['plain_tpot_ms_tp1']:.2f} | {r['plain_tpot_ms']:.2f} | "
+            print(f"| {r['batch']} | {r['plain_tpot_ms_tp1']:.2f} | {r['bound_tpot_ms_tp1']:.2f} | "
+                  f"{r['plain_tpot_ms']:.2f} | {r['bound_tpot_ms']:.2f} | "
                   f"{r['tpot_ratio']:.2f} | {r['spec_tpot_ms_tp1']:.2f} | "
                   f"{r['spec_tpot_ms']:.2f} | {r['speedup_tp1']:.2f}x | {r['speedup']:.2f}x |")
     if "70b" in result:
