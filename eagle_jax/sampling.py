@@ -19,7 +19,6 @@ import dataclasses
 import math
 from typing import NamedTuple, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 # "No top-k filter". Larger than any vocabulary; a positive value so that a padded row
@@ -187,8 +186,3 @@ class SamplingRows(NamedTuple):
     def rows(self, batch: int) -> "SamplingRows":
         """The first ``batch`` rows (a step for batch bucket ``batch``)."""
         return SamplingRows(*(x[:batch] for x in self))
-
-    def at_rows(self, index, new: "SamplingRows") -> "SamplingRows":
-        """These rows with rows ``index`` replaced by ``new`` (jax arrays; for slot
-        assignment and release inside a jitted update)."""
-        return SamplingRows(*(x.at[index].set(jnp.asarray(y, x.dtype)) for x, y in zip(self, new)))

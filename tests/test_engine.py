@@ -6,12 +6,15 @@ plain engines share the target, so greedy outputs must agree token for token.
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 import pytest
 
 from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
+from eagle_jax.engine.engine import jit_compile
 
 # One batch bucket and one prefill chunk keep compiles few; engines are shared per module.
 BASE = dict(dtype="float32", max_model_len=96, max_num_seqs=4, batch_buckets=(4,),
@@ -200,6 +203,44 @@ def test_no_recompilation_after_warmup(engines):
     finally:
         listening[0] = False
     assert compiles == []
+
+
+def test_slot_changes_ride_in_the_next_dispatch(models, engines):
+    """Admitting and releasing requests dispatch nothing of their own (each dispatch is
+    host time on a request's time to first token): a request reaching an idle engine is
+    one prefill dispatch, its admission and the previous request's release inside it;
+    while requests decode, a step applies every change since the last one in at most one
+    dispatch before it. The outputs stay the target's greedy tokens."""
+    calls = collections.Counter()
+
+    def counting(name, fn, example_args, donate_argnums):
+        compiled = jit_compile(name, fn, example_args, donate_argnums)
+
+        def call(*args):
+            calls[name] += 1
+            return compiled(*args)
+        return call
+
+    engine = Engine(EngineConfig(model=models["target"], speculative_algorithm="NONE",
+                                 **{**BASE, "precompile": False}), compile_fn=counting)
+    def greedy(n):
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    prompts = _prompts(6, seed=31, hi=30)  # one prefill chunk each
+    for i, prompt in enumerate(prompts[:3]):
+        engine.add_request(f"idle{i}", prompt, greedy(1))
+        assert [o.finished for o in engine.step()] == [True]
+    assert calls == {"prefill": 3}
+
+    schedule = [(0, "long", prompts[3], greedy(12))] + [
+        (2, f"short{i}", p, SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True))
+        for i, p in enumerate(prompts[4:])]
+    per_step = []
+    engine.add_step_listener(lambda _: per_step.append(calls.pop("update_slots", 0)))
+    out = _run(engine, schedule)
+    assert max(per_step) == 1  # (the shorts' releases: a step applies them at once)
+    reference = _run(engines("none"), [(0, "long", prompts[3], greedy(12))])
+    assert out["long"] == reference["long"]
 
 
 @pytest.mark.parametrize("prompt, params, message", [

@@ -110,7 +110,7 @@ def _threefry_key(seed: int) -> np.ndarray:
 
 # How the engine turns each of its pure functions into an executable:
 #   compile_fn(name, fn, example_args, donate_argnums) -> callable
-# ``name`` is "step", "prefill", "assign", "release" or "score"; ``example_args`` are
+# ``name`` is "step", "prefill", "catch_up", "update_slots" or "score"; ``example_args`` are
 # arrays or ShapeDtypeStructs of the call's shapes. The default jits, lowers and
 # compiles; the comparison tool (``eagle_jax.compare``) passes one that runs the same
 # function op by op, or wraps it before jitting.
@@ -246,6 +246,9 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._requests: dict[str, _Request] = {}
         self._slots: list[_Request | None] = [None] * self.num_slots
+        # slot -> (sampling row, key) of its new request, or None (released): the slot
+        # changes the next executable's dispatch applies first (``_apply_slot_updates``).
+        self._slot_updates: dict[int, tuple[SamplingRows, np.ndarray] | None] = {}
         self._aborted: set[str] = set()
         self._num_admitted = 0
         # (StepOutput on device, slot -> (request, its preemption count) at dispatch)
@@ -516,11 +519,12 @@ class Engine:
         """The executable that prefills one chunk of ``size`` positions alone."""
         tg, dg = self._target_graph, self._draft_graph
 
-        def run(target_params, draft_params, state, chunk):
+        def run(target_params, draft_params, state, chunk, slots):
             return step_lib.prefill_chunk(_merge(tg, target_params), _merge(dg, draft_params),
-                                          state, chunk, vocab_size=self.vocab_size)
+                                          state, chunk, slots, vocab_size=self.vocab_size)
 
-        args = (self._target_params, self._draft_params, self.state, self._chunk_spec(size))
+        args = (self._target_params, self._draft_params, self.state, self._chunk_spec(size),
+                self._slot_updates_spec())
         return self._executable(("prefill", size), run, args, (2,))
 
     def _chunk_rows(self, batch: int) -> int:
@@ -532,25 +536,58 @@ class Engine:
         return max(1, room // self.verify_width)
 
     def _assign_slot(self, slot: int, sampling: SamplingRows, key: np.ndarray) -> None:
-        """Dispatches ``step.assign_slot`` for a request admitted into ``slot``."""
-        i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        rows = SamplingRows(*(jax.ShapeDtypeStruct((1,), x.dtype)
-                              for x in SamplingRows.padded(1)))
-        assign = self._executable(("assign",), step_lib.assign_slot, (
-            step_lib.slot_fields(self.state), i32, rows,
-            jax.ShapeDtypeStruct((2,), jnp.uint32)), (0,))
-        self._update_slot_fields(assign(step_lib.slot_fields(self.state), np.int32(slot),
-                                        sampling, key))
+        """Gives ``slot`` a new request's sampling row ([1] each) and PRNG key, applied
+        by the next ``_apply_slot_updates``."""
+        self._slot_updates[slot] = (sampling, key)
 
     def _release_slot(self, slot: int) -> None:
-        """Dispatches ``step.release_slot`` for a request that left ``slot``."""
-        release = self._executable(("release",), step_lib.release_slot, (
-            step_lib.slot_fields(self.state), jax.ShapeDtypeStruct((), jnp.int32)), (0,))
-        self._update_slot_fields(release(step_lib.slot_fields(self.state), np.int32(slot)))
+        """Marks ``slot`` free (its request left), applied by the next
+        ``_apply_slot_updates``."""
+        self._slot_updates[slot] = None
 
-    def _update_slot_fields(self, fields: step_lib.DecodeState) -> None:
-        self.state = self.state._replace(**{f: getattr(fields, f)
-                                            for f in step_lib.SLOT_FIELDS})
+    def _slot_updates_spec(self) -> step_lib.SlotUpdates:
+        n = self.num_slots
+        flag = jax.ShapeDtypeStruct((n,), jnp.bool_)
+        return step_lib.SlotUpdates(
+            assign=flag, release=flag,
+            sampling=SamplingRows(*(jax.ShapeDtypeStruct((n,), x.dtype)
+                                    for x in SamplingRows.padded(1))),
+            key=jax.ShapeDtypeStruct((n, 2), jnp.uint32))
+
+    def _update_slots_fn(self):
+        return self._executable(("update_slots",), step_lib.update_slots, (
+            step_lib.slot_fields(self.state), self._slot_updates_spec()), (0,))
+
+    def _take_slot_updates(self) -> step_lib.SlotUpdates:
+        """The slot changes since the last executable (the latest change of each slot) as
+        host arrays, cleared here: the next executable applies them."""
+        n = self.num_slots
+        updates = step_lib.SlotUpdates(
+            assign=np.zeros((n,), bool), release=np.zeros((n,), bool),
+            sampling=SamplingRows.padded(n), key=np.zeros((n, 2), np.uint32))
+        for slot, change in self._slot_updates.items():
+            if change is None:
+                updates.release[slot] = True
+                continue
+            sampling, key = change
+            updates.assign[slot] = True
+            updates.key[slot] = key
+            for rows, row in zip(updates.sampling, sampling):
+                rows[slot] = row[0]
+        self._slot_updates.clear()
+        return updates
+
+    def _apply_slot_updates(self) -> None:
+        """Dispatches ``step.update_slots`` for the slot changes since the last executable,
+        if any: one dispatch before a step, however many requests came and went (a
+        prefill chunk applies them itself). Each dispatch is host time whatever its work
+        (a dispatch per admission and per release cost ~0.5 and ~0.2 ms a request on the
+        H200 machine: docs/BENCHMARKS.md)."""
+        if self._slot_updates:
+            fields = self._update_slots_fn()(step_lib.slot_fields(self.state),
+                                             self._take_slot_updates())
+            self.state = self.state._replace(**{f: getattr(fields, f)
+                                                for f in step_lib.SLOT_FIELDS})
 
     def precompile(self, with_logprobs: bool = False) -> None:
         """Compiles every prefill and step bucket ahead of serving, several at once:
@@ -560,7 +597,7 @@ class Engine:
             lambda b=b, s=s: self._step_fn(b, with_logprobs, draft_length=s)
             for b in self.batch_buckets for s in self.draft_lengths] + [
             lambda b=b: self._step_fn(b, with_logprobs, self._chunk_rows(b))
-            for b in self.batch_buckets]
+            for b in self.batch_buckets] + [self._update_slots_fn]
         if self.state.draft_lag is not None:
             jobs += [lambda b=b: self._catch_up_fn(b) for b in self.batch_buckets]
         workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_COMPILE_THREADS))
@@ -888,16 +925,22 @@ class Engine:
             chunk = self._next_chunk(req, budget)
             budget -= int(chunk.length)
             self.state, out = self._prefill_fn(chunk.tokens.shape[0])(
-                self._target_params, self._draft_params, self.state, chunk)
+                self._target_params, self._draft_params, self.state, chunk,
+                self._take_slot_updates())
             self._num_prefill_runs += 1
         if chunk is not None and chunk.sample_next:
-            self._commit_first_token(req, jax.device_get(out), outputs)
+            self._commit_first_token(req, out, outputs)
         return budget
 
     def _commit_first_token(self, req: _Request, out: step_lib.PrefillOutput, outputs):
-        """Commits the token a new request's last prefill chunk sampled (host values)."""
+        """Commits the token a new request's last prefill chunk sampled (device values:
+        only what the request asked for is read back, each read a transfer on the
+        request's time to first token)."""
         logprob = None
-        if req.params.logprobs is not None:
+        if req.params.logprobs is None:
+            out = out._replace(token=jax.device_get(out.token))
+        else:
+            out = jax.device_get(out)
             k = req.params.logprobs
             logprob = [TokenLogprob(int(out.token), float(out.logprob), {
                 int(i): float(v) for i, v in zip(out.top_ids[:k], out.top_logprobs[:k])})]
@@ -968,6 +1011,7 @@ class Engine:
         self._reserve_step_pages(occupied)
         if not occupied:
             return None
+        self._apply_slot_updates()
         batch = next(b for b in self.batch_buckets if b > max(occupied))
         with_logprobs = any(r.params.logprobs is not None for r in occupied.values())
         carries = carried is not None and carried.in_prefill and carried.slot >= 0

@@ -130,6 +130,18 @@ class PrefillChunk(NamedTuple):
         return (self.tokens.reshape(-1, width), self.positions().reshape(-1, width))
 
 
+class SlotUpdates(NamedTuple):
+    """The slots admitted and released since the last executable ran, applied by the
+    next one (``update_slots``): a prefill chunk applies them itself, a step after one
+    dispatch of their own, however many requests came and went. Shapes [B_max]; no slot
+    is both assigned and released."""
+
+    assign: Array  # bool: a new request's slot (inactive until prefilled)
+    release: Array  # bool: a slot its request left
+    sampling: SamplingRows  # the assigned slots' rows (other rows are not read)
+    key: Array  # [B_max, 2] u32 the assigned slots' PRNG keys
+
+
 def _split_keys(keys: Array, num: int) -> tuple[Array, Array]:
     """keys: [B, 2] -> (next keys [B, 2], subkeys [B, num, 2])."""
     split = jax.vmap(lambda k: jax.random.split(k, num + 1))(keys)
@@ -534,15 +546,18 @@ def _synthetic_verdict(res, draft_tokens: Array, target_logits: Array, u: Array,
                         num_tokens=jnp.where(active, accept + 1, 0))
 
 
-def prefill_chunk(target, draft, state: DecodeState, chunk: PrefillChunk, *,
-                  vocab_size: int) -> tuple[DecodeState, PrefillOutput]:
+def prefill_chunk(target, draft, state: DecodeState, chunk: PrefillChunk,
+                  slots: SlotUpdates, *, vocab_size: int) -> tuple[DecodeState, PrefillOutput]:
     """Prefill one chunk of one request's known tokens into the pages of its slot, alone
-    (a step with no request decoding; else the decode step carries the chunk).
+    (a step with no request decoding; else the decode step carries the chunk), after the
+    slot changes ``slots`` (``update_slots``: the chunk's own admission among them, so
+    that a new request's prefill is one dispatch).
 
     On the last chunk the slot becomes active with the token after the chunk as
     ``last_token``; the draft (a different model class: 003) runs its own extend over
     the chunk, the tokens shifted by one.
     """
+    state = update_slots(state, slots)
     state = state._replace(page_table=state.page_table.at[chunk.slot].set(chunk.page_row))
     out = target(chunk.tokens[None], chunk.positions()[None],
                  KVCache(state.target_pages, chunk.page_row[None]), compute_logits=False,
@@ -590,9 +605,9 @@ def _finish_chunk(target, draft, state: DecodeState, chunk: PrefillChunk, hidden
     return state._replace(**updates), PrefillOutput(first, lp[0], top_ids[0], top_lp[0])
 
 
-# The fields assign_slot and release_slot write: a request's admission and end dispatch
-# executables over these alone, not the whole state (the KV pools are ~2 x layers
-# buffers, each of them a cost of every dispatch it passes through).
+# The fields ``update_slots`` writes: admissions and releases dispatch an executable over
+# these alone, not the whole state (the KV pools are ~2 x layers buffers, each of them a
+# cost of every dispatch it passes through).
 SLOT_FIELDS = ("seq_len", "sampling", "key", "active", "draft_lag")
 
 
@@ -602,23 +617,19 @@ def slot_fields(state: DecodeState) -> DecodeState:
                           for f in DecodeState._fields})
 
 
-def assign_slot(state: DecodeState, slot: Array, sampling: SamplingRows,
-                key: Array) -> DecodeState:
-    """Writes a new request's sampling rows ([1] each) into ``slot`` (inactive until
-    prefilled)."""
+def update_slots(state: DecodeState, updates: SlotUpdates) -> DecodeState:
+    """Applies ``updates``: an assigned slot takes its request's sampling row and key, at
+    length 0; a released slot takes the padded row (TOP_K_ALL, T = 1). Both end
+    inactive."""
+    assign, release = updates.assign, updates.release
+    padded = SamplingRows.padded(1)
+    sampling = SamplingRows(*(
+        jnp.where(assign, new.astype(old.dtype), jnp.where(release, pad[0], old))
+        for old, new, pad in zip(state.sampling, updates.sampling, padded)))
     return state._replace(
-        sampling=state.sampling.at_rows(slot, SamplingRows(*(x[0] for x in sampling))),
-        key=state.key.at[slot].set(key),
-        active=state.active.at[slot].set(False),
-        seq_len=state.seq_len.at[slot].set(0),
-        draft_lag=None if state.draft_lag is None else state.draft_lag.at[slot].set(0),
-    )
-
-
-def release_slot(state: DecodeState, slot: Array) -> DecodeState:
-    """Marks ``slot`` free: padded sampling rows (TOP_K_ALL, T = 1), inactive."""
-    padded = SamplingRows(*(x[0] for x in SamplingRows.padded(1)))
-    return state._replace(
-        sampling=state.sampling.at_rows(slot, padded),
-        active=state.active.at[slot].set(False),
+        sampling=sampling,
+        key=jnp.where(assign[:, None], updates.key, state.key),
+        active=state.active & ~(assign | release),
+        seq_len=jnp.where(assign, 0, state.seq_len),
+        draft_lag=None if state.draft_lag is None else jnp.where(assign, 0, state.draft_lag),
     )
