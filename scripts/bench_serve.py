@@ -303,8 +303,8 @@ def plot(result: dict, path: str) -> None:
 
     panels = [("output_token_throughput", None, "output tokens/s"),
               ("request_throughput", None, "requests/s"),
-              ("ttft_ms", "p50", "TTFT (ms): p50, dotted p90"),
-              ("itl_ms", "p50", "inter-token latency (ms): p50, dotted p90")]
+              ("ttft_ms", "p50", "TTFT (ms): p50 (o), p90 (x, dotted)"),
+              ("itl_ms", "p50", "inter-token latency (ms): p50 (o), p90 (x, dotted)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
     for ax, (key, pct, label) in zip(axes, panels):
         for mode in MODES:
@@ -315,7 +315,7 @@ def plot(result: dict, path: str) -> None:
             ys = [r[key][pct] if pct else r[key] for r in runs]
             ax.plot(xs, ys, marker="o", label=MODES[mode])
             if pct:  # how far the tail sits from the median
-                ax.plot(xs, [r[key]["p90"] for r in runs], linestyle=":",
+                ax.plot(xs, [r[key]["p90"] for r in runs], linestyle=":", marker="x",
                         color=ax.lines[-1].get_color())
         ax.set_xscale("log", base=2)
         ax.set_xticks(result["concurrency"], [str(c) for c in result["concurrency"]])
@@ -323,9 +323,10 @@ def plot(result: dict, path: str) -> None:
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{result['model_label']}, {result['device']}: prompts {result['isl']} "
-                 f"tokens, {result['osl']} generated (aiperf {result['client_version']})",
-                 fontsize=10)
+    shared = f"{result['prefix_len']} shared + " if result.get("prefix_len") else ""
+    fig.suptitle(f"{result['model_label']}, {result['device']}: prompts {shared}"
+                 f"{result['isl']} tokens, {result['osl']} generated "
+                 f"(aiperf {result['client_version']})", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
