@@ -44,12 +44,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flax import nnx  # noqa: E402
 
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength, FixedDraftLength  # noqa: E402
 
-from bench_engine import LLAMA_8B, SMALL, decode_rate, random_eagle3, random_target  # noqa: E402
+from bench_engine import (LLAMA_8B, SMALL, decode_rate, kv_bytes_per_token,  # noqa: E402
+                          random_eagle3, random_target, weight_bytes)
 from benchtools import copy_bandwidth  # noqa: E402
 
 
@@ -107,10 +107,8 @@ def main(argv=None):
     bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)
     t0 = time.perf_counter()
     target = random_target(shape, dtype)
-    weight_bytes = sum(v.size * v.dtype.itemsize for _, v in nnx.iter_graph(target)
-                       if isinstance(v, nnx.Param))
-    kv_bytes = (2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"]
-                * jnp.dtype(dtype).itemsize)  # per live token
+    weights = weight_bytes(target)
+    kv_bytes = kv_bytes_per_token(shape, jnp.dtype(dtype).itemsize)  # per live token
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
     def new_tokens(batch):
         return max(args.new_tokens, args.cell_tokens // batch)
@@ -134,7 +132,7 @@ def main(argv=None):
     plain_runs = {b: [decode_rate(plain, b, args.prompt_len, new_tokens(b), seed=2 + r)
                       for r in range(args.repeats)] for b in batches}
     # Plain decoding's bound: one read of the weights and of the live KV per step.
-    bound = {b: b * bw / (weight_bytes + b * (args.prompt_len + new_tokens(b) / 2) * kv_bytes)
+    bound = {b: b * bw / (weights + b * (args.prompt_len + new_tokens(b) / 2) * kv_bytes)
              for b in batches}
     fixed = list(lengths)
     rows = []
@@ -185,13 +183,13 @@ def main(argv=None):
     print(f"\nsynthetic acceptance per token, S <= {max(lengths)}, prompt {args.prompt_len}, "
           f"max({args.new_tokens}, {args.cell_tokens} / batch) new tokens, greedy; tok/s "
           f"(decode; the median of {args.repeats} interleaved runs)\n")
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes / 1e9:.2f} GB; "
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weights / 1e9:.2f} GB; "
           f"KV {kv_bytes / 1024:.0f} KiB per live token\n")
     print_table(rows, fixed)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device, date=str(datetime.date.today()), lengths=lengths,
-                           copy_bandwidth=bw, weight_bytes=weight_bytes,
+                           copy_bandwidth=bw, weight_bytes=weights,
                            kv_bytes_per_token=kv_bytes,
                            step_seconds={f"{b},{s}": v for (b, s), v in step_seconds.items()},
                            prompt_len=args.prompt_len, new_tokens=args.new_tokens,

@@ -32,14 +32,14 @@ import time
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
 from eagle_jax.engine.draft_tree import scratch_positions  # noqa: E402
 
-from bench_engine import LLAMA_8B, SMALL, random_eagle3, random_target  # noqa: E402
+from bench_engine import (LLAMA_8B, SMALL, kv_bytes_per_token, random_eagle3,  # noqa: E402
+                          random_target, weight_bytes)
 from benchtools import copy_bandwidth, device_ms_per_op, print_profile  # noqa: E402
 
 
@@ -74,12 +74,10 @@ def main(argv=None):
           f"{datetime.date.today()}", flush=True)
     bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)
     target = random_target(shape, dtype)
-    weight_bytes = sum(v.size * v.dtype.itemsize for _, v in nnx.iter_graph(target)
-                       if isinstance(v, nnx.Param))
-    kv_bytes = (2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"]
-                * jnp.dtype(dtype).itemsize)  # per live token
+    weights = weight_bytes(target)
+    kv_bytes = kv_bytes_per_token(shape, jnp.dtype(dtype).itemsize)  # per live token
     # Plain decoding's bound: one read of the weights and of every row's live KV a step.
-    bound_ms = {b: 1e3 * (weight_bytes + b * args.context * kv_bytes) / bw for b in batches}
+    bound_ms = {b: 1e3 * (weights + b * args.context * kv_bytes) / bw for b in batches}
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
     span = max([args.chain_steps + 1] + [max(n, scratch_positions(k, s, n - 1))
                                          for k, s, n in trees])
