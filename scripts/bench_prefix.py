@@ -63,8 +63,8 @@ class _PrefillTimer:
         self.records: list[tuple[float, float, float]] = []  # (before, prefill, after)
         build = engine._prefill_fn
 
-        def timed_prefill_fn(size):
-            run = build(size)
+        def timed_prefill_fn(num, size):
+            run = build(num, size)
 
             def call(*args):
                 t0 = time.perf_counter()

@@ -59,7 +59,8 @@ sys.path.insert(0, REPO)
 from eagle_jax.testutil.server import ServerProcess  # noqa: E402
 
 MODES = {"eagle3": "EAGLE-3", "plain": "no speculation",
-         "eagle3-no-prefix-cache": "EAGLE-3, no prefix cache"}
+         "eagle3-no-prefix-cache": "EAGLE-3, no prefix cache",
+         "eagle3-one-prefill": "EAGLE-3, one request's prefill per forward"}
 SHAPES = ("llama-8b", "small")
 PERCENTILES = ("p50", "p90", "p99")
 SERVED_NAME = "bench"
@@ -209,6 +210,8 @@ def start_server(args, mode: str, target: str, draft: str | None, out_dir: str,
             ["--draft-model", draft, "--speculative-algorithm", "EAGLE3"])
     if mode == "eagle3-no-prefix-cache":
         spec.append("--no-prefix-caching")
+    if mode == "eagle3-one-prefill":
+        spec += ["--max-num-partial-prefills", "1"]
     server_args = ["--model", target, *spec, "--served-model-name", SERVED_NAME,
                    "--seed", str(args.seed), *args.server_arg]
     print(f"[{mode}] starting: serve.py {' '.join(server_args)}", flush=True)
@@ -396,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measured requests per run (overrides --requests-per-stream)")
     w.add_argument("--modes", default="eagle3,plain",
                    help="comma-separated: eagle3 (speculation on), plain (off), "
-                        "eagle3-no-prefix-cache (speculation on, prefix caching off)")
+                        "eagle3-no-prefix-cache (speculation on, prefix caching off), "
+                        "eagle3-one-prefill (one request's prompt chunk per forward)")
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("the tools")
     s.add_argument("--server-arg", action="append", default=[],

@@ -390,16 +390,8 @@ def run(models, archs, log=print) -> list[dict]:
   return rows
 
 
-# Kernels allowed SGPR spills (into VGPR lanes: no scratch memory), and why.
-SGPR_SPILLS_ALLOWED = {
-    "tree_sampler": "its nested tree walk carries many uniform values across loops; "
-                    "the spills go to VGPR lanes, with no scratch (tree_sampler._block_config)",
-}
-
-
 def failures(rows) -> list[str]:
-  """Rows that did not compile, spill (SGPRs into VGPR lanes allowed only for the kernels
-  of SGPR_SPILLS_ALLOWED), or need more LDS than a CU has, as messages."""
+  """Rows that did not compile, spill, or need more LDS than a CU has, as messages."""
   bad = []
   for r in rows:
     where = f"{r['model']} | {r['case']} | {r['kernel']} | {r['arch']}"
@@ -410,8 +402,7 @@ def failures(rows) -> list[str]:
       if r["local"] or r["stack"]:
         bad.append(f"{where}: {r['local']} bytes of local memory, {r['stack']} of stack")
       continue
-    sgpr_spill = 0 if r["kernel"] in SGPR_SPILLS_ALLOWED else r["sgpr_spill"]
-    if r["vgpr_spill"] or sgpr_spill or r["scratch"]:
+    if r["vgpr_spill"] or r["sgpr_spill"] or r["scratch"]:
       bad.append(f"{where}: spills {r['vgpr_spill']} VGPRs, {r['sgpr_spill']} SGPRs, "
                  f"{r['scratch']} bytes of scratch")
     if r["waves"] < 1:

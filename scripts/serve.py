@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "plus prefill chunks of new prompts (default: 512 on a CPU, 2048 on "
                         "a GPU); a longer prompt is prefilled over several steps while the "
                         "others keep decoding")
+    g.add_argument("--max-num-partial-prefills", type=_positive_int, default=None,
+                   help="most requests whose prompt chunks one forward carries (default: 1 "
+                        "on a CPU, 16 on a GPU): requests arriving together are prefilled "
+                        "with one read of the weights")
     g.add_argument("--batch-buckets", default=None,
                    help="comma-separated batch buckets (default: the engine's powers of two "
                         "up to --max-num-seqs)")
@@ -199,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             page_size=args.page_size,
             enable_prefix_caching=not args.no_prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_partial_prefills=args.max_num_partial_prefills,
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size,
             dtype=args.dtype,

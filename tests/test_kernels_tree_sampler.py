@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle_jax.kernels import tree_sampler
 from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
 from eagle_jax.kernels.tree_sampler import (
-    PAD_TOKEN, tree_speculative_sample, tree_speculative_sample_reference)
+    PAD_TOKEN, TreeSamplerOutput, tree_speculative_sample, tree_speculative_sample_reference)
 from eagle_jax.testutil.stats import chi2_pvalue
 
 # Chi-square / z tests: false-alarm rate alpha = 1e-3 per statistic (p-value from the
@@ -139,6 +140,90 @@ def test_greedy_rows_follow_argmax_chain():
     path += [PAD_TOKEN] * (max_depth + 1 - len(path))
     np.testing.assert_array_equal(out.tokens[b], expected)
     np.testing.assert_array_equal(out.path[b], path)
+
+
+def _depths(parents):
+  """Each node's depth below the root through present parents; -1 where the chain breaks
+  (an absent node or one below it)."""
+  depth = np.full(parents.shape, -1)
+  depth[:, 0] = 0
+  for b in range(parents.shape[0]):
+    for i in range(1, parents.shape[1]):
+      j = parents[b, i]
+      if 0 <= j < i and depth[b, j] >= 0:
+        depth[b, i] = depth[b, j] + 1
+  return depth
+
+
+@pytest.mark.parametrize("target_only", [False, True])
+def test_node_outcomes_and_walk_match_reference(monkeypatch, target_only):
+  """The kernel decides every node's outcome in a program of its own, then the walk
+  follows them from the root. Trees deeper than max_depth (the walk must stop there),
+  absent nodes, greedy, sampling and inactive rows, q rows flagged malformed on and off
+  the accepted path, a row whose p has no mass: every output equals the reference's
+  exactly (the final draws included: none of these lands where the kernel's blockwise
+  sums could move a CDF boundary). The kernel writes every node's outcome, whatever the
+  output buffer held (Pallas' interpreter starts int32 outputs at int32 min): in range
+  where the walk can arrive, (-1, PAD, 0, 0) where it cannot."""
+  batch, num_nodes, num_cols, vocab, max_depth, block = 10, 12, 16, 14, 2, 4
+  tokens, parents, q, q_row, p, greedy, u, active = _random_inputs(
+      21, batch, num_nodes, num_cols, vocab, max_depth + 2)
+  greedy[:] = False
+  greedy[[0, 5]] = True
+  active[:] = True
+  active[[1, 7]] = False
+  u[:, 1:-1] *= 0.3  # children's coins: accept often, so paths run several nodes deep
+  ok = np.random.default_rng(21).uniform(size=q.shape[:2]) > 0.25
+  p[3] = 0.0  # no mass at any node: the fallback counts, the token is uniform
+  outcomes = []
+
+  def walk_spy(outcome, *args):
+    outcomes.append(np.asarray(outcome))
+    return walk(outcome, *args)
+
+  walk = tree_sampler._walk
+  monkeypatch.setattr(tree_sampler, "_walk", walk_spy)
+  args = (tokens, parents, q, q_row, p, greedy, u, vocab, active)
+  kwargs = dict(max_depth=max_depth, draft_probs_ok=ok, target_only=target_only)
+  out = tree_speculative_sample(*args, block_v=block, **kwargs)
+  ref = tree_speculative_sample_reference(*args, **kwargs)
+  for name in TreeSamplerOutput._fields:
+    np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=name)
+  _check_structure(out, tokens, parents, vocab, active, max_depth)
+
+  depth = _depths(parents)
+  acc = np.asarray(out.accept_len)
+  assert np.any((acc == max_depth) & (depth.max(1) > max_depth))  # max_depth cut a path
+  assert out.num_fallback[3] == 1
+
+  [outcome] = outcomes
+  assert outcome.shape == (batch, num_nodes + 1, 4)
+  child, token, malformed, fallback = np.moveaxis(outcome, -1, 0)
+  nodes = np.arange(num_nodes + 1)
+  reachable = active[:, None] & (depth >= 0) & (depth <= max_depth)
+  unreachable = ~reachable
+  np.testing.assert_array_equal(child[unreachable], -1)
+  np.testing.assert_array_equal(token[unreachable], PAD_TOKEN)
+  np.testing.assert_array_equal(malformed[unreachable], 0)
+  np.testing.assert_array_equal(fallback[unreachable], 0)
+  moves = reachable & (child >= 0)
+  assert not np.any(moves & (depth == max_depth))
+  b_idx, c_idx = np.nonzero(moves)
+  np.testing.assert_array_equal(parents[b_idx, child[moves]], c_idx)
+  np.testing.assert_array_equal(token[moves], tokens[b_idx, child[moves]])
+  stops = reachable & (child < 0)
+  assert np.all((token[stops] >= 0) & (token[stops] < vocab))
+  assert np.all((malformed >= 0) & (malformed <= num_nodes))
+  assert np.all((fallback == 0) | (fallback == 1))
+  assert np.all(malformed[greedy] == 0) and np.all(fallback[greedy] == 0)
+  assert np.any(moves[:, nodes > 0])  # outcomes below the root decide some paths
+  if not target_only:
+    # A node counted malformed candidates off the accepted path: they are not counted.
+    path = np.asarray(out.path)
+    on_path = np.zeros_like(reachable)
+    for b in range(batch):
+      on_path[b, path[b][path[b] >= 0]] = True
+    assert np.any((malformed > 0) & ~on_path)
 
 
 # --------------------------------------------------------------------------------------

@@ -299,12 +299,17 @@ def test_bad_pool_settings_are_named(models, field, value, message):
 
 def test_backend_defaults_fill_only_what_is_unset():
     cfg = EngineConfig(model="m", speculative_algorithm="NONE", max_num_seqs=8,
-                       max_num_batched_tokens=100)
+                       max_num_batched_tokens=100, max_num_partial_prefills=2)
     cpu, notes = cfg.for_backend("cpu")
-    assert (cpu.dtype, cpu.max_num_seqs, cpu.max_num_batched_tokens) == ("float32", 8, 100)
+    assert (cpu.dtype, cpu.max_num_seqs, cpu.max_num_batched_tokens,
+            cpu.max_num_partial_prefills) == ("float32", 8, 100, 2)
     assert notes == ["dtype=float32 (the cpu default; set it to change)"]
     gpu, _ = cfg.for_backend("gpu")
     assert (gpu.dtype, gpu.max_num_seqs) == ("bfloat16", 8)
+    # Several requests' prompt chunks in one forward on a GPU, one on a CPU.
+    unset = EngineConfig(model="m", speculative_algorithm="NONE")
+    assert unset.for_backend("gpu")[0].max_num_partial_prefills == 16
+    assert unset.for_backend("cpu")[0].max_num_partial_prefills == 1
     assert EngineConfig(model="m", speculative_algorithm="NONE").for_backend("gpu")[0] \
         .max_num_seqs == 64
     # The draft length: chosen per step on a GPU, num_steps in every step on a CPU.
@@ -409,17 +414,19 @@ def test_a_prefix_cache_hit_gives_identical_greedy_output_and_accept_lengths(alg
     assert set(ref_cached.values()) == {0}
 
 
-def test_requests_that_arrive_together_share_their_prefix(models):
+@pytest.mark.parametrize("partial", [1, 4])
+def test_requests_that_arrive_together_share_their_prefix(models, partial):
     """Two requests queued at once with one 26-token prefix: the second is admitted after
-    the first's prefill ran and shares its 6 full pages; both decode side by side, and
-    their greedy tokens equal a run without the prefix cache. The served counters
-    (vLLM's prefix_cache_queries / hits) add up."""
+    the first's prefill ran and shares its 6 full pages (also where one forward could
+    carry both prompts' chunks: the second waits for the pages the first computes);
+    both decode side by side, and their greedy tokens equal a run without the prefix
+    cache. The served counters (vLLM's prefix_cache_queries / hits) add up."""
     rng = np.random.default_rng(12)
     prefix = [int(t) for t in rng.integers(7, 300, 26)]
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     reqs = [(f"c{i}", prefix + [int(t) for t in rng.integers(7, 300, 4 + i)], greedy)
             for i in range(2)]
-    engine = _engine(models, "EAGLE3")
+    engine = _engine(models, "EAGLE3", max_num_partial_prefills=partial)
     tokens, cached = _run(engine, reqs)
     ref, _ = _run(_engine(models, "EAGLE3", enable_prefix_caching=False), reqs)
     assert tokens == ref
@@ -445,7 +452,7 @@ def test_prefill_chunks_ride_along_with_decoding(models, algo):
     width = BASE["num_steps"] + 1 if algo == "EAGLE3" else 1
     # The bucket's 4 decode rows of `width` plus 16 chunk positions.
     engine = _engine(models, algo, max_num_batched_tokens=4 * width + 16)
-    assert engine._chunk_rows(4) * width == 16
+    assert engine._step_lane_len(4) == 16
     engine.add_request("short", short, greedy)
     tokens = {"short": [], "long": []}
     for o in engine.step():
@@ -465,3 +472,73 @@ def test_prefill_chunks_ride_along_with_decoding(models, algo):
     # may finish first, but not before the second chunk.
     assert len(steps_in_prefill) >= 3
     assert all(s == {"short"} for s in steps_in_prefill[:2])
+
+
+@pytest.mark.parametrize("algo", ["EAGLE3", "NONE"])
+def test_chunks_of_several_requests_share_one_forward(models, algo):
+    """Prompts that arrive together are prefilled in one forward: three reaching an idle
+    engine are one prefill dispatch carrying their three chunks (padded to a compiled
+    count of four); three arriving while a request decodes ride in one decode step, in
+    its 64-position lanes, the longest prompt over two of them (the second lane attends
+    to the first's keys, written earlier in the same forward). Every request's tokens
+    (greedy, and a seeded sampled one) equal the request run alone, so neither the
+    shared forward, the split prompt nor the padding changes anything."""
+    from eagle_jax.engine.engine import jit_compile
+
+    carried = []  # per prefill or step dispatch: (name, lengths of its chunks)
+
+    def counting(name, fn, example_args, donate_argnums):
+        compiled = jit_compile(name, fn, example_args, donate_argnums)
+
+        def call(*args):
+            chunks = args[3] if name == "prefill" else args[4] if len(args) > 4 else None
+            if chunks is not None:
+                carried.append((name, [int(n) for n in chunks.length]))
+            return compiled(*args)
+        return call
+
+    width = BASE["num_steps"] + 1 if algo == "EAGLE3" else 1
+    draft = models["eagle3"] if algo == "EAGLE3" else None
+    config = EngineConfig(model=models["target"], draft_model=draft,
+                          speculative_algorithm=algo,
+                          **{**BASE, "max_num_partial_prefills": 4, "max_model_len": 160,
+                             "prefill_buckets": (16, 128),
+                             "max_num_batched_tokens": 4 * width + 256})
+    engine = Engine(config, compile_fn=counting)
+    rng = np.random.default_rng(41)
+    prompts = [[int(t) for t in rng.integers(7, 300, n)] for n in (10, 14, 30, 6, 9, 13, 100)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=5)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = [greedy, sampled, greedy, long, greedy, sampled, greedy]
+    tokens = {f"r{i}": [] for i in range(7)}
+    finished = set()
+
+    def step():
+        for o in engine.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                finished.add(o.request_id)
+
+    for i in range(3):
+        engine.add_request(f"r{i}", prompts[i], params[i])
+    step()
+    # Round one: all three chunks in one prefill (four of 16 positions: the shape that
+    # runs the most now); round two: the rest of the 30-token prompt.
+    assert carried[:2] == [("prefill", [10, 14, 16, 0]), ("prefill", [14])]
+    carried.clear()
+    engine.add_request("r3", prompts[3], params[3])
+    step()  # r3's chunk rides in the step of the three decoding
+    while not {"r0", "r1", "r2"} <= finished:
+        step()
+    for i in range(4, 7):  # three slots free, r3 decoding
+        engine.add_request(f"r{i}", prompts[i], params[i])
+    while engine.has_unfinished_requests():
+        step()
+        engine.page_allocator.check()
+    # One chunk rides in a one-lane step; three in a four-lane step (100 = 64 + 36).
+    assert carried == [("step", [6]), ("step", [9, 13, 64, 36])]
+    reference = _engine(models, algo, max_model_len=160)
+    for i in range(7):
+        alone, _ = _run(reference, [(f"r{i}", prompts[i], params[i])])
+        assert tokens[f"r{i}"] == alone[f"r{i}"], i

@@ -4,7 +4,7 @@ One workload (the same prompts, per-request seeds and sampling parameters) runs 
 
 1. ``xla``: the engine as served -- one ``jax.jit``-compiled step per batch bucket over
    static, donated buffers (the JAX stand-in for CUDA-graph capture / replay);
-2. ``eager``: the same pure step functions (``spec_step``, ``prefill_chunk``, ...)
+2. ``eager``: the same pure step functions (``spec_step``, ``prefill_chunks``, ...)
    evaluated op by op (one dispatch per primitive, no fusion, no donation) -- the
    analogue of ``--disable-cuda-graph`` (``eagle_jax.compare.engines.eager_compile``);
 3. ``torch-replay``: where torch sees a CUDA / HIP GPU, a torch CUDA-graph reference of

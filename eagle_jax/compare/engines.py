@@ -16,7 +16,7 @@ attached to its public step listener:
   deliberate fault before it is jitted; the comparison must catch it.
 
 The engine builds the same ``run`` closures in every mode (same parameter merge, same
-arguments to ``spec_step`` / ``prefill_chunk``); nothing of the engine is copied here,
+arguments to ``spec_step`` / ``prefill_chunks``); nothing of the engine is copied here,
 so the comparison follows the engine as it evolves.
 """
 

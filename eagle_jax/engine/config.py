@@ -63,6 +63,13 @@ class EngineConfig:
         step that has no room left still prefills one smallest chunk, so prompts always
         progress). A long prompt is prefilled a chunk per step while the running
         requests keep decoding. None = the backend's default (``for_backend``).
+      max_num_partial_prefills: most requests whose prompt chunks one forward carries
+        (vLLM's name): a decode step, or a prefill with nothing decoding, runs the next
+        chunk of up to this many requests in prefill in one forward, one read of the
+        weights for all of them. Chunk counts are compiled in powers of two up to it.
+        None = the backend's default: 16 on a GPU, where a forward over a few hundred
+        positions costs about its weight read; 1 on a CPU, whose forward is bound by
+        its arithmetic (several chunks at once gain nothing there).
       batch_buckets / prefill_buckets: compiled batch sizes and prompt chunk lengths.
       kv_cache_memory: KV pool budget in bytes (per device: tensor-parallel, each device
         holds its kv heads' share of the pool); kv_cache_memory_fraction: or this share
@@ -97,6 +104,7 @@ class EngineConfig:
     page_size: int = 16
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
+    max_num_partial_prefills: int | None = None
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     prefill_buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS
     kv_cache_memory: int | None = None
@@ -171,6 +179,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_num_partial_prefills is not None and self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be >= 1, got "
+                             f"{self.max_num_partial_prefills}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got "
                              f"{self.max_num_batched_tokens}")
@@ -220,7 +231,7 @@ class EngineConfig:
 # the KV pool; a CPU, which has no memory budget to size the pool from, caps it at
 # CPU_MAX_MODEL_LEN.)
 CPU_DEFAULTS = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=512,
-                    speculative_policy="fixed")
+                    max_num_partial_prefills=1, speculative_policy="fixed")
 GPU_DEFAULTS = dict(dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048,
-                    speculative_policy="adaptive")
+                    max_num_partial_prefills=16, speculative_policy="adaptive")
 CPU_MAX_MODEL_LEN = 4096

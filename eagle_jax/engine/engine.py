@@ -7,12 +7,12 @@ sampling tensors written; the full pages of a prefix an earlier request computed
 from the prefix cache), finished and aborted requests leave and return their pages. A
 joined request's remaining prompt is prefilled in chunks, at most
 ``max_num_batched_tokens`` positions per engine step less the running requests' decode
-rows, so a long prompt no longer stalls the requests already decoding: the oldest
-request in prefill has its next chunk carried by the decode step itself (its tokens are
-extra rows of the step's forward, so the weights are read once for both); others, and
-every chunk when nothing decodes, run as prefill executables of their own before the
-step (a request whose last chunk ran alone joins that step). Before each step every running request is given the pages the
-step may write; when the pool runs out, the newest running request is preempted: its
+rows, so a long prompt no longer stalls the requests already decoding: the next chunks
+of up to ``max_num_partial_prefills`` requests in prefill are carried by the decode step
+itself (their tokens are extra rows of the step's forward, so the weights are read once
+for all), or, when nothing decodes, run together as a prefill of their own before the
+step (a request whose last chunk ran so joins that step). Before each step every running
+request is given the pages the step may write; when the pool runs out, the newest running request is preempted: its
 pages are freed and it goes back to the front of the queue, to be recomputed from its
 prompt and the tokens it already produced (nothing it streamed is repeated). A step runs
 the executable compiled for the smallest batch bucket that covers every occupied slot
@@ -53,6 +53,17 @@ from eagle_jax.models.layers import KVPages
 from eagle_jax.sampling import SamplingParams, SamplingRows
 
 logger = logging.getLogger("eagle_jax.engine")
+
+# Positions of a lane that a decode step carries prompt chunks in (rounded up to whole rows
+# of the step's width): a few hundred positions of a forward cost about its weight read
+# on a GPU, so a short chunk (a prefix-cache hit's tail) pads to one lane, while a long
+# one spans several, each lane reading the chunk's prefix from the pool once.
+STEP_LANE = 64
+
+
+def _powers_of_two(most: int) -> tuple[int, ...]:
+    """1, 2, 4, .. up to ``most``."""
+    return tuple(1 << i for i in range(most.bit_length()))
 
 
 class _StepVariant(NamedTuple):
@@ -433,25 +444,31 @@ class Engine:
         return self.model_config.hidden_size * (len(layers) if layers else 1)
 
     # ------------------------------------------------------------ compilation
-    def _executable(self, key: tuple, fn: Callable, example_args: tuple,
-                    donate_argnums: tuple[int, ...] = ()) -> Callable:
-        """``fn`` compiled by ``compile_fn`` on first use, cached under ``key``."""
-        if key not in self._compiled:
-            self._compiled[key] = self._compile_fn(key[0], fn, example_args, donate_argnums)
-        return self._compiled[key]
+    def _executable(self, key: tuple, build: Callable[[], tuple]) -> Callable:
+        """The executable cached under ``key``; on first use ``build()`` gives (function,
+        example arguments, donated argument indices) and ``compile_fn`` compiles it.
+        Nothing is built on a hit: this runs on every dispatch."""
+        executable = self._compiled.get(key)
+        if executable is None:
+            fn, example_args, donate_argnums = build()
+            executable = self._compiled[key] = self._compile_fn(key[0], fn, example_args,
+                                                                donate_argnums)
+        return executable
 
-    def _step_fn(self, batch: int, with_logprobs: bool, chunk_rows: int = 0,
+    def _step_fn(self, batch: int, with_logprobs: bool, num_lanes: int = 0,
                  draft_length: int | None = None):
         """The step executable of a batch bucket drafting ``draft_length`` tokens (default
-        num_steps), carrying a prompt chunk of ``chunk_rows`` rows or none, compiled on
+        num_steps), carrying prompt chunks in ``num_lanes`` lanes or none, compiled on
         first use."""
         length = self.num_steps if draft_length is None else draft_length
-        args = self.step_inputs()
-        if chunk_rows:
-            args += (self._chunk_spec(chunk_rows * self.verify_width),)
-        return self._executable(("step", batch, with_logprobs, chunk_rows, length),
-                                self.step_function(batch, with_logprobs, chunk_rows, length),
-                                args, (2,))
+
+        def build():
+            args = self.step_inputs()
+            if num_lanes:
+                args += (self._chunks_spec(num_lanes, self._step_lane_len(batch)),)
+            return self.step_function(batch, with_logprobs, num_lanes, length), args, (2,)
+
+        return self._executable(("step", batch, with_logprobs, num_lanes, length), build)
 
     def step_inputs(self) -> tuple:
         """Arguments of ``step_function``'s function: (target parameters, draft
@@ -459,42 +476,43 @@ class Engine:
         return self._target_params, self._draft_params, self.state, self._page_updates([])
 
     def step_function(self, batch: int, with_logprobs: bool = False,
-                      chunk_rows: int = 0, draft_length: int | None = None) -> Callable:
+                      num_lanes: int = 0, draft_length: int | None = None) -> Callable:
         """The pure step of a batch bucket:
         ``(target_params, draft_params, state, page_updates) -> (state, StepOutput)``,
-        drafting ``draft_length`` tokens (default num_steps); with ``chunk_rows``, a fifth
-        argument, a ``PrefillChunk`` of ``chunk_rows`` x verify_width positions, rides in
-        the step's forward. The engine compiles it with ``state`` donated."""
+        drafting ``draft_length`` tokens (default num_steps); with ``num_lanes``, a fifth
+        argument, ``PrefillChunks`` of that many lanes (``_step_lane_len`` positions
+        each), rides in the step's forward. The engine compiles it with ``state``
+        donated."""
         length = self.num_steps if draft_length is None else draft_length
-        if chunk_rows and length != self.num_steps:
-            raise ValueError("a step that carries a prompt chunk drafts num_steps tokens")
+        if num_lanes and length != self.num_steps:
+            raise ValueError("a step that carries prompt chunks drafts num_steps tokens")
         tg, dg, cfg = self._target_graph, self._draft_graph, self.config
 
-        def run(target_params, draft_params, state, page_updates, chunk=None):
+        def run(target_params, draft_params, state, page_updates, chunks=None):
             target = _merge(tg, target_params)
             if dg is None:
                 return step_lib.plain_step(target, state, page_updates, batch=batch,
                                            vocab_size=self.vocab_size,
-                                           with_logprobs=with_logprobs, chunk=chunk)
+                                           with_logprobs=with_logprobs, chunks=chunks)
             if self.tree_topk > 1:
                 return step_lib.tree_spec_step(
                     target, _merge(dg, draft_params), state, page_updates, batch=batch,
                     num_steps=length, topk=self.tree_topk, num_nodes=self.verify_width - 1,
                     target_only=cfg.tree_verify == "target_only", vocab_size=self.vocab_size,
-                    with_logprobs=with_logprobs, chunk=chunk)
+                    with_logprobs=with_logprobs, chunks=chunks)
             return step_lib.spec_step(
                 target, _merge(dg, draft_params), state, page_updates, batch=batch,
                 num_steps=length,
                 probabilistic=cfg.draft_sample_method == "probabilistic",
                 vocab_size=self.vocab_size, with_logprobs=with_logprobs,
-                draft_probs_hook=self._draft_probs_hook, chunk=chunk)
+                draft_probs_hook=self._draft_probs_hook, chunks=chunks)
 
         return run
 
     def _catch_up_fn(self, batch: int):
         """The catch-up executable of a batch bucket, compiled on first use."""
-        return self._executable(("catch_up", batch), self.catch_up_function(batch),
-                                (self._draft_params, self.state), (1,))
+        return self._executable(("catch_up", batch), lambda: (
+            self.catch_up_function(batch), (self._draft_params, self.state), (1,)))
 
     def catch_up_function(self, batch: int) -> Callable:
         """The pure catch-up of a batch bucket's draft over the positions steps of draft
@@ -507,33 +525,84 @@ class Engine:
 
         return run
 
-    def _chunk_spec(self, size: int) -> step_lib.PrefillChunk:
-        i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        flag = jax.ShapeDtypeStruct((), jnp.bool_)
-        return step_lib.PrefillChunk(
-            slot=i32, page_row=jax.ShapeDtypeStruct((self.max_pages,), jnp.int32),
-            tokens=jax.ShapeDtypeStruct((size,), jnp.int32), start=i32, length=i32,
-            next_token=i32, is_last=flag, sample_next=flag)
+    def _chunks_spec(self, num: int, size: int) -> step_lib.PrefillChunks:
+        def spec(shape=(), dtype=jnp.int32):
+            return jax.ShapeDtypeStruct((num,) + shape, dtype)
 
-    def _prefill_fn(self, size: int):
-        """The executable that prefills one chunk of ``size`` positions alone."""
+        return step_lib.PrefillChunks(
+            slot=spec(), page_row=spec((self.max_pages,)), tokens=spec((size,)),
+            start=spec(), length=spec(), next_token=spec(), is_last=spec((), jnp.bool_),
+            sample_next=spec((), jnp.bool_))
+
+    def _prefill_fn(self, num: int, size: int):
+        """The executable that prefills the chunks of ``num`` requests, ``size``
+        positions each, alone."""
         tg, dg = self._target_graph, self._draft_graph
 
-        def run(target_params, draft_params, state, chunk, slots):
-            return step_lib.prefill_chunk(_merge(tg, target_params), _merge(dg, draft_params),
-                                          state, chunk, slots, vocab_size=self.vocab_size)
+        def run(target_params, draft_params, state, chunks, slots):
+            return step_lib.prefill_chunks(_merge(tg, target_params),
+                                           _merge(dg, draft_params), state, chunks, slots,
+                                           vocab_size=self.vocab_size)
 
-        args = (self._target_params, self._draft_params, self.state, self._chunk_spec(size),
-                self._slot_updates_spec())
-        return self._executable(("prefill", size), run, args, (2,))
+        return self._executable(("prefill", num, size), lambda: (run, (
+            self._target_params, self._draft_params, self.state, self._chunks_spec(num, size),
+            self._slot_updates_spec()), (2,)))
 
-    def _chunk_rows(self, batch: int) -> int:
-        """Rows of verify_width positions that a decode step of bucket ``batch`` carries
-        for a prompt chunk: the step's token budget less its own rows, at most the
-        longest prefill chunk, at least one row."""
-        room = min(self.config.max_num_batched_tokens - batch * self.verify_width,
-                   self.chunk_len)
-        return max(1, room // self.verify_width)
+    # ---------------------------------------------------------- chunk shapes
+    # A forward's chunks are compiled shapes, so they come from a small set, and the
+    # host picks the one that runs the most prompt positions now. A prefill alone runs
+    # L requests' chunks padded to C positions each (``_prefill_shapes``, L a power of
+    # two up to max_num_partial_prefills). A decode step carries its chunks in lanes of
+    # STEP_LANE positions, a power-of-two count of them within its token budget
+    # (``_step_lane_counts``): a request's chunk takes as many lanes as it needs (each
+    # lane one query block, attending to the lanes before it, whose keys the forward
+    # wrote first), so short chunks pad to at most one lane, not to the budget.
+    def _chunk_counts(self) -> tuple[int, ...]:
+        return _powers_of_two(self.config.max_num_partial_prefills)
+
+    def _step_lane_len(self, batch: int) -> int:
+        """Positions of a lane of a decode step of bucket ``batch``: STEP_LANE in whole
+        rows of verify_width, within the step's token budget less its own rows (at least
+        one row)."""
+        width = self.verify_width
+        room = self.config.max_num_batched_tokens - batch * width
+        return max(width, min(-(-STEP_LANE // width) * width, room // width * width))
+
+    def _step_lane_counts(self, batch: int) -> tuple[int, ...]:
+        room = self.config.max_num_batched_tokens - batch * self.verify_width
+        return _powers_of_two(max(1, room // self._step_lane_len(batch)))
+
+    def _prefill_shapes(self) -> list[tuple[int, int]]:
+        """The (chunks, positions) shapes of the prefill executables: one chunk of every
+        prefill bucket, and for more chunks the longest bucket that keeps them within
+        max_num_batched_tokens (no shape for a count none keeps within it)."""
+        budget, buckets = self.config.max_num_batched_tokens, self.prefill_buckets
+        shapes = [(1, c) for c in buckets]
+        for n in self._chunk_counts()[1:]:
+            fitting = [c for c in buckets if n * c <= budget]
+            if fitting:
+                shapes.append((n, fitting[-1]))
+        return shapes
+
+    @staticmethod
+    def _chunk_shape(shapes: list[tuple[int, int]], remaining: list[int], split: bool = False
+                     ) -> tuple[int, int]:
+        """The (chunks, positions) shape among ``shapes`` that prefills the most of
+        ``remaining`` (each request's positions to prefill now, in the order they are
+        served), the fewest computed positions among equals. ``split``: a request's
+        positions may span several chunks (a step's lanes)."""
+        def score(shape):
+            num, size = shape
+            run = 0
+            for r in remaining:
+                if num <= 0:
+                    break
+                lanes = min(-(-r // size), num) if split else 1
+                run += min(r, lanes * size)
+                num -= lanes
+            return run, -shape[0] * size
+
+        return max(shapes, key=score)
 
     def _assign_slot(self, slot: int, sampling: SamplingRows, key: np.ndarray) -> None:
         """Gives ``slot`` a new request's sampling row ([1] each) and PRNG key, applied
@@ -555,8 +624,8 @@ class Engine:
             key=jax.ShapeDtypeStruct((n, 2), jnp.uint32))
 
     def _update_slots_fn(self):
-        return self._executable(("update_slots",), step_lib.update_slots, (
-            step_lib.slot_fields(self.state), self._slot_updates_spec()), (0,))
+        return self._executable(("update_slots",), lambda: (step_lib.update_slots, (
+            step_lib.slot_fields(self.state), self._slot_updates_spec()), (0,)))
 
     def _take_slot_updates(self) -> step_lib.SlotUpdates:
         """The slot changes since the last executable (the latest change of each slot) as
@@ -593,11 +662,12 @@ class Engine:
         """Compiles every prefill and step bucket ahead of serving, several at once:
         XLA's compiler runs outside the GIL, so threads overlap the compiles (of an
         8B-shaped step, ~15 s each on one core) while tracing takes turns."""
-        jobs = [lambda c=c: self._prefill_fn(c) for c in self.prefill_buckets] + [
+        jobs = [lambda n=n, c=c: self._prefill_fn(n, c) for n, c in self._prefill_shapes()] + [
             lambda b=b, s=s: self._step_fn(b, with_logprobs, draft_length=s)
             for b in self.batch_buckets for s in self.draft_lengths] + [
-            lambda b=b: self._step_fn(b, with_logprobs, self._chunk_rows(b))
-            for b in self.batch_buckets] + [self._update_slots_fn]
+            lambda b=b, n=n: self._step_fn(b, with_logprobs, n)
+            for b in self.batch_buckets for n in self._step_lane_counts(b)] + [
+            self._update_slots_fn]
         if self.state.draft_lag is not None:
             jobs += [lambda b=b: self._catch_up_fn(b) for b in self.batch_buckets]
         workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_COMPILE_THREADS))
@@ -825,51 +895,68 @@ class Engine:
             req.page_keys = page_hashes(tokens, self.page_size, req.page_keys)
         return req.page_keys
 
-    def _schedule_prefills(self, outputs) -> _Request | None:
+    def _schedule_prefills(self, outputs) -> list[_Request]:
         """Spends this step's prefill budget (``max_num_batched_tokens`` less the running
-        requests' decode rows; at least one smallest chunk): first on the requests
-        already in prefill, oldest first, then on waiting requests admitted one by one
-        while budget is left. While requests decode, the first of these is carried by
-        the decode step (its next chunk rides in the step's forward: returned, for
-        ``_launch``); the others are prefilled by chunk executables of their own. A
-        request is matched against the prefix cache when it is admitted, after the
-        chunks before it ran, so requests that arrive together share the pages of their
-        common prefix."""
-        decoding = [slot for slot, r in enumerate(self._slots)
-                    if r is not None and not r.in_prefill]
-        budget = max(self.config.max_num_batched_tokens - len(decoding) * self.verify_width,
+        requests' decode rows; at least one smallest chunk) on the next chunks of the
+        requests in prefill (``_prefill_candidates``). While requests decode, the chunks
+        ride in the decode step (the requests are returned, for ``_launch``); else they
+        run as prefills of their own, one forward for all of a round's chunks, round
+        after round while budget is left (a request whose last chunk ran joins this
+        step's decode)."""
+        decoding = sum(r is not None and not r.in_prefill for r in self._slots)
+        budget = max(self.config.max_num_batched_tokens - decoding * self.verify_width,
                      self.prefill_buckets[0])
-        carried = None
+        if decoding:
+            return self._prefill_candidates(budget)
+        while budget > 0 and (reqs := self._prefill_candidates(budget)):
+            budget -= self._prefill(reqs, budget, outputs)
+        return []
 
-        def schedule(req):
-            nonlocal carried
-            if decoding and carried is None:
-                carried = req
-                batch = next(b for b in self.batch_buckets if b > max(decoding))
-                return budget - self._chunk_rows(batch) * self.verify_width
-            return self._prefill(req, budget, outputs)
+    def _prefill_candidates(self, budget: int) -> list[_Request]:
+        """The requests whose next chunks the next forward carries, in the order they are
+        served: those in prefill, oldest first, then waiting requests admitted one by one
+        while their positions to prefill stay under ``budget``, at most
+        max_num_partial_prefills in all. A request is matched against the prefix cache
+        when it is admitted; one whose next page not in the cache is a page a candidate
+        is about to compute waits (admitted after that chunk ran, it shares the page
+        rather than computing it again), so requests that arrive together share the
+        pages of their common prefix."""
+        most = self.config.max_num_partial_prefills
+        reqs = sorted((r for r in self._slots if r is not None and r.in_prefill),
+                      key=lambda r: r.admitted)[:most]
+        wanted = sum(self._prefill_len(r) - r.seq_len for r in reqs)
+        computing = {key for r in reqs for key in self._uncomputed_page_keys(r)}
+        while len(reqs) < most and wanted < budget and (
+                req := self._admit(computing)) is not None:
+            reqs.append(req)
+            wanted += self._prefill_len(req) - req.seq_len
+            computing.update(self._uncomputed_page_keys(req))
+        return reqs
 
-        for req in sorted((r for r in self._slots if r is not None and r.in_prefill),
-                          key=lambda r: r.admitted):
-            budget = schedule(req)
-        while budget > 0 and (req := self._admit()) is not None:
-            budget = schedule(req)
-        return carried
+    def _uncomputed_page_keys(self, req: _Request) -> list[bytes]:
+        """The prefix-cache keys of the request's full pages its prefill has yet to
+        compute."""
+        keys = self._page_keys(req, self._known_tokens(req))
+        return keys[req.seq_len // self.page_size:]
 
-    def _admit(self) -> _Request | None:
+    def _admit(self, computing: set[bytes] = frozenset()) -> _Request | None:
         """Gives the oldest waiting request a slot and the pages of its known tokens (the
-        cached pages of its prefix shared), if a slot is free and the pool has pages for
-        it and its first step; else None (it waits)."""
+        cached pages of its prefix shared), if a slot is free, the pool has pages for
+        it and its first step, and its first page not in the cache is not among
+        ``computing`` (pages about to be computed); else None (it waits)."""
         if not self._waiting or None not in self._slots:
             return None
         req = self._waiting[0]
         slot = self._slots.index(None)
         tokens = self._known_tokens(req)
         known = self._prefill_len(req)
+        keys = self._page_keys(req, tokens)
         # The last known position is always computed: its logits (a new request's first
         # token) and its draft row (the draft's state) come from it.
-        hit = self.page_allocator.match(self._page_keys(req, tokens), tokens, known - 1,
+        hit = self.page_allocator.match(keys, tokens, known - 1,
                                         check_next=self.draft is not None)
+        if len(hit) < len(keys) and keys[len(hit)] in computing:
+            return None
         if not self.page_allocator.can_reserve(slot, known + self.step_tokens, hit):
             return None
         self._waiting.popleft()
@@ -891,63 +978,89 @@ class Engine:
         self._assign_slot(slot, SamplingRows.from_params(req.params), key)
         return req
 
-    def _next_chunk(self, req: _Request, max_len: int, size: int | None = None
-                    ) -> step_lib.PrefillChunk:
-        """The request's next prefill chunk, at most ``max_len`` positions, padded to
-        ``size`` (default: the smallest prefill bucket that holds it). Advances the
-        request's prefilled length; its last chunk ends its prefill."""
-        tokens = self._known_tokens(req)
-        known = self._prefill_len(req)
-        start = req.seq_len
-        length = min(self.chunk_len, known - start, max_len)
-        size = size or next(b for b in self.prefill_buckets if b >= length)
-        padded = np.zeros((size,), np.int32)
-        padded[:length] = tokens[start:start + length]
-        is_last = start + length == known
-        # The known token after the chunk (a new request's first token is sampled).
-        nxt = tokens[start + length] if start + length < len(tokens) else 0
-        chunk = step_lib.PrefillChunk(
-            slot=np.int32(req.slot), page_row=self.page_allocator.page_row(req.slot),
-            tokens=padded, start=np.int32(start), length=np.int32(length),
-            next_token=np.int32(nxt), is_last=np.bool_(is_last),
-            sample_next=np.bool_(is_last and not req.output))
-        req.seq_len += length
-        req.in_prefill = not is_last
-        self._register_pages(req)
-        return chunk
+    def _take_chunks(self, reqs: list[_Request], num: int, size: int, budget: int,
+                     split: bool = False) -> step_lib.PrefillChunks:
+        """The next chunk of each of ``reqs`` in turn, ``budget`` positions in all, as
+        ``num`` chunks of ``size`` positions (padding chunks after them): a request's
+        chunk is one of them, or with ``split`` up to chunk_len positions over as many
+        consecutive ones as it needs (its last names the slot; the others write no slot
+        state). Advances each request's prefilled length; a request's last chunk ends
+        its prefill."""
+        zeros = np.zeros((num,), np.int32)
+        chunks = step_lib.PrefillChunks(
+            slot=np.full((num,), self.num_slots, np.int32),
+            page_row=np.zeros((num, self.max_pages), np.int32),
+            tokens=np.zeros((num, size), np.int32), start=zeros, length=zeros.copy(),
+            next_token=zeros.copy(), is_last=np.zeros((num,), bool),
+            sample_next=np.zeros((num,), bool))
+        i = 0
+        for req in reqs:
+            tokens = self._known_tokens(req)
+            known = self._prefill_len(req)
+            start = req.seq_len
+            total = min(known - start, budget, (num - i) * size if split else size,
+                        self.chunk_len if split else size)
+            if total <= 0 or i >= num:
+                break
+            budget -= total
+            page_row = self.page_allocator.page_row(req.slot)
+            for first in range(start, start + total, size):
+                length = min(size, start + total - first)
+                end = first + length
+                chunks.start[i], chunks.length[i] = first, length
+                chunks.page_row[i] = page_row
+                chunks.tokens[i, :length] = tokens[first:end]
+                # The known token after the chunk (a new request's first token is sampled).
+                chunks.next_token[i] = tokens[end] if end < len(tokens) else 0
+                i += 1
+            is_last = start + total == known
+            chunks.slot[i - 1] = req.slot
+            chunks.is_last[i - 1], chunks.sample_next[i - 1] = is_last, is_last and not req.output
+            req.seq_len += total
+            req.in_prefill = not is_last
+            self._register_pages(req)
+        return chunks
 
-    def _prefill(self, req: _Request, budget: int, outputs) -> int:
-        """Runs the request's next prefill chunks alone, ``budget`` positions at most;
-        returns the budget left. After its last chunk the request decodes: a new one
-        commits its first token, sampled by that chunk."""
-        out = chunk = None
-        while req.in_prefill and budget > 0:
-            chunk = self._next_chunk(req, budget)
-            budget -= int(chunk.length)
-            self.state, out = self._prefill_fn(chunk.tokens.shape[0])(
-                self._target_params, self._draft_params, self.state, chunk,
-                self._take_slot_updates())
-            self._num_prefill_runs += 1
-        if chunk is not None and chunk.sample_next:
-            self._commit_first_token(req, out, outputs)
-        return budget
+    def _prefill(self, reqs: list[_Request], budget: int, outputs) -> int:
+        """Runs the next chunks of ``reqs`` in one prefill of their own, ``budget``
+        positions at most; returns the positions it ran. A request whose last chunk ran
+        decodes from the next step: a new one commits its first token, sampled by that
+        chunk."""
+        remaining = [min(self._prefill_len(r) - r.seq_len, budget) for r in reqs]
+        num, size = self._chunk_shape(self._prefill_shapes(), remaining)
+        chunks = self._take_chunks(reqs, num, size, budget)
+        self.state, out = self._prefill_fn(num, size)(
+            self._target_params, self._draft_params, self.state, chunks,
+            self._take_slot_updates())
+        self._num_prefill_runs += 1
+        by_slot = {r.slot: r for r in reqs}
+        self._commit_first_tokens([(i, by_slot[slot]) for i, slot in enumerate(
+            chunks.slot.tolist()) if chunks.sample_next[i]], out, outputs)
+        return int(chunks.length.sum())
 
-    def _commit_first_token(self, req: _Request, out: step_lib.PrefillOutput, outputs):
-        """Commits the token a new request's last prefill chunk sampled (device values:
-        only what the request asked for is read back, each read a transfer on the
-        request's time to first token)."""
-        logprob = None
-        if req.params.logprobs is None:
+    def _commit_first_tokens(self, firsts: list[tuple[int, _Request]],
+                             out: step_lib.PrefillOutput, outputs):
+        """Commits the first tokens that new requests' last prefill chunks sampled
+        (chunk i's in ``out``'s row i; device values: only what the requests asked for
+        is read back, each read a transfer on their time to first token)."""
+        if not firsts:
+            return
+        if all(req.params.logprobs is None for _, req in firsts):
             out = out._replace(token=jax.device_get(out.token))
         else:
             out = jax.device_get(out)
-            k = req.params.logprobs
-            logprob = [TokenLogprob(int(out.token), float(out.logprob), {
-                int(i): float(v) for i, v in zip(out.top_ids[:k], out.top_logprobs[:k])})]
-        req.first_token_time = time.monotonic()
-        self._commit(req, [int(out.token)], logprob, outputs)
-        if not req.finished:
-            self._register_pages(req)  # the page the first token completes
+        now = time.monotonic()
+        for i, req in firsts:
+            token, logprob = int(out.token[i]), None
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                logprob = [TokenLogprob(token, float(out.logprob[i]), {
+                    int(t): float(v) for t, v in zip(out.top_ids[i, :k],
+                                                     out.top_logprobs[i, :k])})]
+            req.first_token_time = now
+            self._commit(req, [token], logprob, outputs)
+            if not req.finished:
+                self._register_pages(req)  # the page the first token completes
 
     def _register_pages(self, req: _Request) -> None:
         """Offers the request's full, final pages to the prefix cache (host work only
@@ -1005,31 +1118,36 @@ class Engine:
             rows[:len(updates)] = updates
         return rows
 
-    def _launch(self, occupied: dict[int, _Request], carried: _Request | None = None):
+    def _launch(self, occupied: dict[int, _Request], carried: list[_Request] = ()):
         """Dispatches the step of the smallest bucket covering every occupied slot, with
-        the next prompt chunk of ``carried`` (a request in prefill) riding in it."""
+        the next prompt chunks of ``carried`` (requests in prefill, in the order they
+        are served) riding in it, as many as the step's chunk shape takes."""
         self._reserve_step_pages(occupied)
         if not occupied:
             return None
         self._apply_slot_updates()
         batch = next(b for b in self.batch_buckets if b > max(occupied))
         with_logprobs = any(r.params.logprobs is not None for r in occupied.values())
-        carries = carried is not None and carried.in_prefill and carried.slot >= 0
-        # A step carrying a chunk drafts num_steps (the chunk's rows are verify_width wide).
-        length = self.num_steps if carries else self.draft_policy.choose(batch)
+        carried = [r for r in carried if r.in_prefill and r.slot >= 0]  # (not preempted)
+        # A step carrying chunks drafts num_steps (their rows are verify_width wide).
+        length = self.num_steps if carried else self.draft_policy.choose(batch)
         caught_up = self._catch_up_draft(batch, occupied, length)
         args = (self._target_params, self._draft_params, self.state,
                 self._page_updates(self.page_allocator.take_updates()))
-        chunk_rows, first_token_of = 0, None
-        if carries:  # (not preempted)
-            chunk_rows = self._chunk_rows(batch)
-            size = chunk_rows * self.verify_width
-            chunk = self._next_chunk(carried, size, size)
-            args += (chunk,)
-            if chunk.sample_next:
-                first_token_of = (carried, carried.preemptions)
+        num_lanes, firsts = 0, []
+        if carried:
+            lane = self._step_lane_len(batch)
+            num_lanes, _ = self._chunk_shape(
+                [(n, lane) for n in self._step_lane_counts(batch)],
+                [min(self._prefill_len(r) - r.seq_len, self.chunk_len) for r in carried],
+                split=True)
+            chunks = self._take_chunks(carried, num_lanes, lane, num_lanes * lane, split=True)
+            args += (chunks,)
+            by_slot = {r.slot: r for r in carried}
+            firsts = [(i, by_slot[slot], by_slot[slot].preemptions)
+                      for i, slot in enumerate(chunks.slot.tolist()) if chunks.sample_next[i]]
         self._count_choice(batch, length, len(occupied))
-        self.state, out = self._step_fn(batch, with_logprobs, chunk_rows, length)(*args)
+        self.state, out = self._step_fn(batch, with_logprobs, num_lanes, length)(*args)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         behind = length == 0 and self.state.draft_lag is not None  # (a draft to leave)
@@ -1037,7 +1155,7 @@ class Engine:
             req.in_flight += 1
             req.draft_lag += behind
         return (out, {slot: (req, req.preemptions) for slot, req in occupied.items()},
-                first_token_of, _StepVariant(batch, length, bool(chunk_rows) or caught_up))
+                firsts, _StepVariant(batch, length, bool(num_lanes) or caught_up))
 
     def _catch_up_draft(self, batch: int, occupied: dict[int, _Request], length: int) -> bool:
         """Before a step that drafts, or a step of length 0 that would put a row's draft
@@ -1068,18 +1186,17 @@ class Engine:
             s.forecast_seconds += self.draft_policy.step_seconds[batch, length]
 
     def _collect(self, out, occupied: dict[int, tuple[_Request, int]],
-                 first_token_of: tuple[_Request, int] | None, variant: _StepVariant,
-                 outputs):
+                 firsts: list[tuple[int, _Request, int]], variant: _StepVariant, outputs):
         """Reads a step's tokens (the one host read of the step) and commits them, and
-        the first token of the request whose last prompt chunk the step carried.
+        the first tokens of the requests whose last prompt chunks the step carried
+        (chunk index, request, its preemption count at dispatch).
 
         Returns the host StepOutput and the step's live rows (slot -> request id): the
         requests neither finished nor preempted since the step was dispatched."""
         out = jax.device_get(out)
-        if first_token_of is not None:
-            req, preemptions = first_token_of
-            if req.preemptions == preemptions and not req.finished:
-                self._commit_first_token(req, out.prefill, outputs)
+        self._commit_first_tokens([(i, req) for i, req, preemptions in firsts
+                                   if req.preemptions == preemptions and not req.finished],
+                                  out.prefill, outputs)
         live = {}
         for slot, (req, preemptions) in occupied.items():
             if req.preemptions != preemptions:
@@ -1256,5 +1373,5 @@ class Engine:
             logits = target(tokens, jnp.arange(bucket)[None], None).logits
             return step_lib.token_logprobs(logits, jnp.roll(tokens, -1, axis=1), vocab)
 
-        return self._executable(("score", bucket), score, (
-            self._target_params, jax.ShapeDtypeStruct((1, bucket), jnp.int32)))
+        return self._executable(("score", bucket), lambda: (score, (
+            self._target_params, jax.ShapeDtypeStruct((1, bucket), jnp.int32)), ()))

@@ -20,12 +20,14 @@ The host's page allocator gives pages out between steps; each step and prefill f
 applies the page-table entries the host assigned since the last one (``page_updates``),
 so the table never travels whole.
 
-A step may carry one prompt chunk of a request in prefill (``chunk``): its C positions
-become C / W extra rows of the step's width W beside the B decode rows of the target's
-forward (the weights are read once for decode and prefill), whose page table row is the
-prefilling slot's. The chunk's rows attend as one query block of C positions (one
-kernel call beside the decode rows'), so its prefix is read from the pool once, not
-once per row. The KV pool is written before attention in every layer.
+A step may carry the next prompt chunk of each of L requests in prefill (``chunks``):
+their L x C positions become L C / W extra rows of the step's width W beside the B
+decode rows of the target's forward (the weights are read once for decode and every
+prefill), each chunk's rows with its own slot's page-table row. Each chunk attends as
+one query block of C positions (one kernel call for all L, beside the decode rows'), so
+its prefix is read from the pool once, not once per row. A prefill with no request
+decoding runs the L chunks as a batch of its own (``prefill_chunks``). The KV pool is
+written before attention in every layer.
 """
 
 from __future__ import annotations
@@ -78,10 +80,13 @@ class DecodeState(NamedTuple):
 
 
 class PrefillOutput(NamedTuple):
-    token: Array  # [] i32 the first generated token (valid on the last chunk)
-    logprob: Array  # [] f32
-    top_ids: Array  # [MAX_LOGPROBS] i32
-    top_logprobs: Array  # [MAX_LOGPROBS] f32
+    """Per chunk ([L] leading): the token after it, sampled where it ends a new
+    request's prompt (the first generated token), and that token's logprobs."""
+
+    token: Array  # [L] i32
+    logprob: Array  # [L] f32
+    top_ids: Array  # [L, MAX_LOGPROBS] i32
+    top_logprobs: Array  # [L, MAX_LOGPROBS] f32
 
 
 class StepOutput(NamedTuple):
@@ -95,39 +100,42 @@ class StepOutput(NamedTuple):
     logprob: Array | None  # [B, W] f32 logprob of each committed token
     top_ids: Array | None  # [B, W, MAX_LOGPROBS] i32
     top_logprobs: Array | None  # [B, W, MAX_LOGPROBS] f32
-    prefill: PrefillOutput | None = None  # the chunk the step carried (``chunk=``)
+    prefill: PrefillOutput | None = None  # the chunks the step carried (``chunks=``)
 
 
-class PrefillChunk(NamedTuple):
-    """A chunk of one request's known tokens, to prefill into the pages of ``slot``.
+class PrefillChunks(NamedTuple):
+    """The next chunk of the known tokens of each of L requests, chunk i to prefill into
+    the pages of ``slot[i]``. Shapes [L] unless noted.
 
-    page_row: [max_pages] the slot's page table row (the host reserved every page of the
-    known tokens); tokens: [C] (padded past ``length``) at positions start ..
+    page_row: [L, max_pages] the slots' page-table rows (the host reserved every page of
+    the known tokens); tokens: [L, C] (padded past ``length``) at positions start ..
     start+length-1; next_token: the known token after the chunk (the next prompt token,
     or a resumed request's last generated token); sample_next: the chunk ends a new
     request's prompt, so the token after it is sampled (the first generated token)
-    instead. Scalars are [] arrays.
+    instead. A padding chunk has length 0 and slot B_max: it writes nothing.
     """
 
-    slot: Array
-    page_row: Array
-    tokens: Array
-    start: Array
-    length: Array
-    next_token: Array
-    is_last: Array
-    sample_next: Array
+    slot: Array  # i32
+    page_row: Array  # [L, max_pages] i32
+    tokens: Array  # [L, C] i32
+    start: Array  # i32
+    length: Array  # i32
+    next_token: Array  # i32
+    is_last: Array  # bool
+    sample_next: Array  # bool
 
     def positions(self) -> Array:
-        """[C] the tokens' positions, PAD_POSITION past ``length``."""
-        idx = jnp.arange(self.tokens.shape[0])
-        return jnp.where(idx < self.length, self.start + idx, PAD_POSITION)
+        """[L, C] the tokens' positions, PAD_POSITION past ``length``."""
+        idx = jnp.arange(self.tokens.shape[1])[None]
+        return jnp.where(idx < self.length[:, None], self.start[:, None] + idx, PAD_POSITION)
 
-    def rows(self, width: int) -> tuple[Array, Array]:
-        """The chunk as [C / width, width] rows of tokens and positions, so a decode
-        step's forward carries it beside its own rows (attended as one block:
-        ``AttentionBatch.tail_rows``)."""
-        return (self.tokens.reshape(-1, width), self.positions().reshape(-1, width))
+    def rows(self, width: int) -> tuple[Array, Array, Array]:
+        """The chunks as [L C / width, width] rows of tokens and positions, and each row's
+        page-table row, so a decode step's forward carries them beside its own rows
+        (each chunk attended as one block: ``AttentionBatch.tail_rows``)."""
+        size = self.tokens.shape[1]
+        return (self.tokens.reshape(-1, width), self.positions().reshape(-1, width),
+                jnp.repeat(self.page_row, size // width, axis=0))
 
 
 class SlotUpdates(NamedTuple):
@@ -184,35 +192,36 @@ def _write_rows(x: Array, batch: int, new: Array) -> Array:
     return x.at[:batch].set(new.astype(x.dtype))
 
 
-def _forward_with_chunk(target, state: DecodeState, tokens: Array, positions: Array,
-                        chunk: PrefillChunk | None, aux_layers,
-                        tree: TreeLayout | None = None) -> tuple:
-    """The target's forward over the step's rows [B, W], and the chunk's rows after them
-    when the step carries one (one read of the weights for both; the chunk attends as
+def _forward_with_chunks(target, state: DecodeState, tokens: Array, positions: Array,
+                         chunks: PrefillChunks | None, aux_layers,
+                         tree: TreeLayout | None = None) -> tuple:
+    """The target's forward over the step's rows [B, W], and the chunks' rows after them
+    when the step carries some (one read of the weights for all; each chunk attends as
     one query block). ``tree``: the B rows are draft trees.
 
     Returns (the forward's output for the B rows: hidden, aux_hidden, logits; the
-    chunk's hidden [1, C, H] and aux_hidden [1, C, F] or None; the updated pool)."""
+    chunks' hidden [L, C, H] and aux_hidden [L, C, F] or None; the updated pool)."""
     batch, width = tokens.shape
     table = state.page_table[:batch]
-    tail_rows = 0
-    if chunk is not None:
-        chunk_tokens, chunk_pos = chunk.rows(width)
-        tail_rows = chunk_tokens.shape[0]
+    tail_rows = tail_blocks = 0
+    if chunks is not None:
+        chunk_tokens, chunk_pos, chunk_table = chunks.rows(width)
+        tail_rows, tail_blocks = chunk_tokens.shape[0], chunks.tokens.shape[0]
         tokens = jnp.concatenate([tokens, chunk_tokens])
         positions = jnp.concatenate([positions, chunk_pos])
-        table = jnp.concatenate([table, jnp.broadcast_to(
-            chunk.page_row, (tail_rows, table.shape[1]))])
+        table = jnp.concatenate([table, chunk_table])
         if tree is not None:
             tree = tree._replace(rope_positions=jnp.concatenate([tree.rope_positions,
                                                                  chunk_pos]))
     out = target(tokens, positions, KVCache(state.target_pages, table), aux_layers=aux_layers,
-                 compute_logits=False, tree=tree, tail_rows=tail_rows)
+                 compute_logits=False, tree=tree, tail_rows=tail_rows,
+                 tail_blocks=max(tail_blocks, 1))
 
     def split(x):
         if x is None:
             return None, None
-        return x[:batch], (None if chunk is None else x[batch:].reshape(1, -1, x.shape[-1]))
+        return x[:batch], (None if chunks is None else
+                           x[batch:].reshape(*chunks.tokens.shape, x.shape[-1]))
 
     hidden, chunk_hidden = split(out.hidden)
     aux, chunk_aux = split(out.aux_hidden)
@@ -220,18 +229,16 @@ def _forward_with_chunk(target, state: DecodeState, tokens: Array, positions: Ar
 
 
 def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
-               vocab_size: int, with_logprobs: bool, chunk: PrefillChunk | None = None,
+               vocab_size: int, with_logprobs: bool, chunks: PrefillChunks | None = None,
                ) -> tuple[DecodeState, StepOutput]:
     """One token per request from the target alone (the non-speculative baseline); with
-    ``chunk``, a prompt chunk of another request rides in the same forward."""
-    state = apply_page_updates(state, page_updates)
-    if chunk is not None:
-        state = state._replace(page_table=state.page_table.at[chunk.slot].set(chunk.page_row))
+    ``chunks``, prompt chunks of requests in prefill ride in the same forward."""
+    state = _apply_chunk_pages(apply_page_updates(state, page_updates), chunks)
     seq_len, last, rows, keys, active = _rows(state, batch)
     keys, sub = _split_keys(keys, 1)
     positions = jnp.where(active, seq_len, PAD_POSITION)[:, None]
-    _, _, logits, chunk_hidden, chunk_aux, pages = _forward_with_chunk(
-        target, state, last[:, None], positions, chunk, ())
+    _, _, logits, chunk_hidden, chunk_aux, pages = _forward_with_chunks(
+        target, state, last[:, None], positions, chunks, ())
     logits = logits[:, 0]
     res = _target_token(logits, rows, _uniforms(sub[:, 0], 1)[:, 0], vocab_size, active)
     token, n = res.tokens[:, 0], res.num_tokens
@@ -247,16 +254,16 @@ def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
           else (None,) * 3)
     zeros = jnp.zeros((batch,), jnp.int32)
     prefill = None
-    if chunk is not None:
-        state, prefill = _finish_chunk(target, None, state, chunk, chunk_hidden, chunk_aux,
-                                       vocab_size=vocab_size)
+    if chunks is not None:
+        state, prefill = _finish_chunks(target, None, state, chunks, chunk_hidden, chunk_aux,
+                                        vocab_size=vocab_size)
     return state, StepOutput(token[:, None], n, zeros, zeros, zeros, *lp, prefill=prefill)
 
 
 def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: int,
               num_steps: int, probabilistic: bool, vocab_size: int, with_logprobs: bool,
               draft_probs_hook: Callable[[Array], Array] | None = None,
-              chunk: PrefillChunk | None = None,
+              chunks: PrefillChunks | None = None,
               ) -> tuple[DecodeState, StepOutput]:
     """Propose S draft tokens, verify S + 1 positions, accept, extend the draft, commit.
 
@@ -266,9 +273,9 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     feature kept), and ``catch_up_draft`` extends the draft over the lag before a later
     step drafts again. The host runs it before a row's lag would pass MAX_DRAFT_LAG.
 
-    With ``chunk``, a prompt chunk of another request rides in the verify forward (its
-    tokens as extra rows of S + 1), then gets its draft extend and, on its last chunk,
-    its first token, as ``prefill_chunk`` would give them.
+    With ``chunks``, prompt chunks of requests in prefill ride in the verify forward
+    (their tokens as extra rows of S + 1), then get their draft extend and, on a
+    request's last chunk, its first token, as ``prefill_chunks`` would give them.
 
     ``draft_probs_hook`` (tests only) rewrites the draft probabilities between the
     proposal and the sampler, as a corrupted buffer would (004).
@@ -277,9 +284,7 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     target's argmax at the first rejected position.
     """
     S = num_steps
-    state = apply_page_updates(state, page_updates)
-    if chunk is not None:
-        state = state._replace(page_table=state.page_table.at[chunk.slot].set(chunk.page_row))
+    state = _apply_chunk_pages(apply_page_updates(state, page_updates), chunks)
     seq_len, last, rows, keys, active = _rows(state, batch)
     draft_cache = KVCache(state.draft_pages, state.page_table[:batch])
     keys, sub = _split_keys(keys, 3)
@@ -324,8 +329,8 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     window = jnp.arange(S + 1)
     verify_tokens = jnp.concatenate([last[:, None], draft_tokens], axis=1)
     verify_pos = jnp.where(active[:, None], seq_len[:, None] + window, PAD_POSITION)
-    hidden, aux, target_logits, chunk_hidden, chunk_aux, target_pages = _forward_with_chunk(
-        target, state, verify_tokens, verify_pos, chunk, draft.feature_layers or ())
+    hidden, aux, target_logits, chunk_hidden, chunk_aux, target_pages = _forward_with_chunks(
+        target, state, verify_tokens, verify_pos, chunks, draft.feature_layers or ())
     features = aux if draft.feature_layers else hidden
 
     # 3. Accept (Pallas sampler). A step that drafts nothing (S = 0, the adaptive
@@ -356,16 +361,16 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     lp = (token_logprobs(target_logits, res.tokens, vocab_size) if with_logprobs
           else (None,) * 3)
     return _commit(target, draft, state, batch, res, emitted, keys, target_pages, ext, lp,
-                   chunk, chunk_hidden, chunk_aux, vocab_size=vocab_size)
+                   chunks, chunk_hidden, chunk_aux, vocab_size=vocab_size)
 
 
 def _commit(target, draft, state: DecodeState, batch: int, res, emitted: Array, keys: Array,
-            target_pages: KVPages, ext, lp: tuple, chunk: PrefillChunk | None,
+            target_pages: KVPages, ext, lp: tuple, chunks: PrefillChunks | None,
             chunk_hidden: Array | None, chunk_aux: Array | None, *, vocab_size: int
             ) -> tuple[DecodeState, StepOutput]:
     """A speculative step's end (chain or tree): the rows' accept_len + 1 tokens (the
     emitted one last) committed, the draft's state after its extend ``ext`` kept (None:
-    the step left the draft behind), the chunk the step carried finished; the step's
+    the step left the draft behind), the chunks the step carried finished; the step's
     output."""
     seq_len, last, _, _, active = _rows(state, batch)
     accept = res.accept_len
@@ -381,16 +386,16 @@ def _commit(target, draft, state: DecodeState, batch: int, res, emitted: Array, 
     if ext is not None:
         state = _keep_draft(state, batch, ext, active)
     prefill = None
-    if chunk is not None:
-        state, prefill = _finish_chunk(target, draft, state, chunk, chunk_hidden, chunk_aux,
-                                       vocab_size=vocab_size)
+    if chunks is not None:
+        state, prefill = _finish_chunks(target, draft, state, chunks, chunk_hidden, chunk_aux,
+                                        vocab_size=vocab_size)
     return state, StepOutput(res.tokens, n, jnp.where(active, accept, 0), res.num_malformed_q,
                              res.num_fallback, *lp, prefill=prefill)
 
 
 def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: int,
                    num_steps: int, topk: int, num_nodes: int, target_only: bool,
-                   vocab_size: int, with_logprobs: bool, chunk: PrefillChunk | None = None,
+                   vocab_size: int, with_logprobs: bool, chunks: PrefillChunks | None = None,
                    ) -> tuple[DecodeState, StepOutput]:
     """Draft a tree, verify its nodes in one forward, accept a path, move its KV, extend
     the draft, commit (EAGLE-2 dynamic trees: ``draft_tree.py`` builds the tree,
@@ -404,13 +409,11 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
     as scratch above the sequence (never read: attention stops at seq_len). Sampling
     rows are verified with the draft's real q (recursive rejection sampling), or with
     SGLang's target-only rule when ``target_only``; greedy rows take the target's
-    argmax path. With ``chunk``, a prompt chunk rides in the verify forward in rows of
+    argmax path. With ``chunks``, prompt chunks ride in the verify forward in rows of
     num_nodes + 1 positions, as in ``spec_step``.
     """
     S, K, N = num_steps, topk, num_nodes
-    state = apply_page_updates(state, page_updates)
-    if chunk is not None:
-        state = state._replace(page_table=state.page_table.at[chunk.slot].set(chunk.page_row))
+    state = _apply_chunk_pages(apply_page_updates(state, page_updates), chunks)
     seq_len, last, rows, keys, active = _rows(state, batch)
     keys, sub = _split_keys(keys, 2)
     expanded = num_expanded(K, S, N)
@@ -428,8 +431,8 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
     verify_tokens = tree.tokens.at[:, 0].set(last)
     verify_pos = jnp.where(active[:, None], seq_len[:, None] + jnp.arange(N + 1), PAD_POSITION)
     layout = TreeLayout(seq_len[:, None] + tree.depth, tree.mask)
-    hidden, aux, target_logits, chunk_hidden, chunk_aux, target_pages = _forward_with_chunk(
-        target, state, verify_tokens, verify_pos, chunk, draft.feature_layers or (), layout)
+    hidden, aux, target_logits, chunk_hidden, chunk_aux, target_pages = _forward_with_chunks(
+        target, state, verify_tokens, verify_pos, chunks, draft.feature_layers or (), layout)
     features = aux if draft.feature_layers else hidden
 
     # 3. Accept a path (Pallas tree sampler).
@@ -459,7 +462,7 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
     lp = (token_logprobs(jnp.take_along_axis(target_logits, path[:, :, None], axis=1),
                          res.tokens, vocab_size) if with_logprobs else (None,) * 3)
     return _commit(target, draft, state, batch, res, emitted, keys, target_pages, ext, lp,
-                   chunk, chunk_hidden, chunk_aux, vocab_size=vocab_size)
+                   chunks, chunk_hidden, chunk_aux, vocab_size=vocab_size)
 
 
 def _keep_draft(state: DecodeState, batch: int, ext, rows: Array) -> DecodeState:
@@ -546,63 +549,72 @@ def _synthetic_verdict(res, draft_tokens: Array, target_logits: Array, u: Array,
                         num_tokens=jnp.where(active, accept + 1, 0))
 
 
-def prefill_chunk(target, draft, state: DecodeState, chunk: PrefillChunk,
-                  slots: SlotUpdates, *, vocab_size: int) -> tuple[DecodeState, PrefillOutput]:
-    """Prefill one chunk of one request's known tokens into the pages of its slot, alone
-    (a step with no request decoding; else the decode step carries the chunk), after the
-    slot changes ``slots`` (``update_slots``: the chunk's own admission among them, so
-    that a new request's prefill is one dispatch).
+def prefill_chunks(target, draft, state: DecodeState, chunks: PrefillChunks,
+                   slots: SlotUpdates, *, vocab_size: int) -> tuple[DecodeState, PrefillOutput]:
+    """Prefills the next chunk of each of L requests into the pages of their slots, alone
+    (a step with no request decoding; else the decode step carries the chunks), after
+    the slot changes ``slots`` (``update_slots``: the chunks' own admissions among them,
+    so that new requests' prefill is one dispatch). One forward over the [L, C] chunks:
+    the weights are read once for all of them.
 
-    On the last chunk the slot becomes active with the token after the chunk as
+    On a request's last chunk its slot becomes active with the token after the chunk as
     ``last_token``; the draft (a different model class: 003) runs its own extend over
-    the chunk, the tokens shifted by one.
+    each chunk, the tokens shifted by one.
     """
-    state = update_slots(state, slots)
-    state = state._replace(page_table=state.page_table.at[chunk.slot].set(chunk.page_row))
-    out = target(chunk.tokens[None], chunk.positions()[None],
-                 KVCache(state.target_pages, chunk.page_row[None]), compute_logits=False,
+    state = _apply_chunk_pages(update_slots(state, slots), chunks)
+    out = target(chunks.tokens, chunks.positions(),
+                 KVCache(state.target_pages, chunks.page_row), compute_logits=False,
                  aux_layers=(draft.feature_layers or ()) if draft is not None else ())
     state = state._replace(target_pages=out.cache.pages)
-    return _finish_chunk(target, draft, state, chunk, out.hidden, out.aux_hidden,
-                         vocab_size=vocab_size)
+    return _finish_chunks(target, draft, state, chunks, out.hidden, out.aux_hidden,
+                          vocab_size=vocab_size)
 
 
-def _finish_chunk(target, draft, state: DecodeState, chunk: PrefillChunk, hidden: Array,
-                  aux_hidden: Array | None, *, vocab_size: int
-                  ) -> tuple[DecodeState, PrefillOutput]:
-    """After the target's forward over a chunk (hidden [1, C, H], aux_hidden [1, C, F]):
-    the token after it (sampled on a new request's last chunk), the draft's extend over
-    the chunk, and the slot's state."""
-    slot, length = chunk.slot, chunk.length
-    last_hidden = jax.lax.dynamic_index_in_dim(hidden[0], length - 1, keepdims=True)
-    logits = target.logits(last_hidden)  # [1, V]
-    key, sub = _split_keys(state.key[slot][None], 1)
-    rows = SamplingRows(*(x[slot][None] for x in state.sampling))
-    probs = sampling_probs(logits, rows, vocab_size)
-    first = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])[0]
-    following = jnp.where(chunk.sample_next, first, chunk.next_token)
-    lp, top_ids, top_lp = token_logprobs(logits, first[None], vocab_size)
-    is_last = chunk.is_last
+def _apply_chunk_pages(state: DecodeState, chunks: PrefillChunks | None) -> DecodeState:
+    """The chunks' slots take their page-table rows (a padding chunk's slot, B_max, is
+    dropped)."""
+    if chunks is None:
+        return state
+    return state._replace(page_table=state.page_table.at[chunks.slot].set(
+        chunks.page_row, mode="drop"))
+
+
+def _finish_chunks(target, draft, state: DecodeState, chunks: PrefillChunks, hidden: Array,
+                   aux_hidden: Array | None, *, vocab_size: int
+                   ) -> tuple[DecodeState, PrefillOutput]:
+    """After the target's forward over the chunks (hidden [L, C, H], aux_hidden [L, C,
+    F]): the token after each (sampled where it ends a new request's prompt), the
+    draft's extend over each, and the slots' state. Writes to a padding chunk's slot
+    (B_max) are dropped."""
+    slot, length, is_last = chunks.slot, chunks.length, chunks.is_last
+    row = jnp.minimum(slot, state.seq_len.shape[0] - 1)  # where a padding chunk reads
+    last = jnp.clip(length - 1, 0, hidden.shape[1] - 1)
+    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    logits = target.logits(last_hidden)  # [L, V]
+    key, sub = _split_keys(state.key[row], 1)
+    probs = sampling_probs(logits, SamplingRows(*(x[row] for x in state.sampling)), vocab_size)
+    first = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])
+    following = jnp.where(chunks.sample_next, first, chunks.next_token)
+    lp, top_ids, top_lp = token_logprobs(logits, first, vocab_size)
+
+    def put(x, new):
+        return x.at[slot].set(new.astype(x.dtype), mode="drop")
+
     updates = dict(
-        seq_len=state.seq_len.at[slot].set(
-            jnp.where(is_last, chunk.start + length, state.seq_len[slot])),
-        last_token=state.last_token.at[slot].set(
-            jnp.where(is_last, following, state.last_token[slot])),
-        key=state.key.at[slot].set(jnp.where(is_last, key[0], state.key[slot])),
-        active=state.active.at[slot].set(state.active[slot] | is_last),
+        seq_len=put(state.seq_len, jnp.where(is_last, chunks.start + length,
+                                             state.seq_len[row])),
+        last_token=put(state.last_token, jnp.where(is_last, following, state.last_token[row])),
+        key=put(state.key, jnp.where(is_last[:, None], key, state.key[row])),
+        active=put(state.active, state.active[row] | is_last),
     )
     if draft is not None:
         features = aux_hidden if draft.feature_layers else hidden
-        ext = draft_extend(draft, chunk.tokens[None], following[None], length[None], features,
-                           chunk.positions()[None],
-                           KVCache(state.draft_pages, chunk.page_row[None]))
-        updates.update(
-            draft_pages=ext.cache.pages,
-            draft_hidden=state.draft_hidden.at[slot].set(ext.hidden[0].astype(
-                state.draft_hidden.dtype)),
-            draft_logits=state.draft_logits.at[slot].set(ext.logits[0]),
-        )
-    return state._replace(**updates), PrefillOutput(first, lp[0], top_ids[0], top_lp[0])
+        ext = draft_extend(draft, chunks.tokens, following, jnp.maximum(length, 1), features,
+                           chunks.positions(), KVCache(state.draft_pages, chunks.page_row))
+        updates.update(draft_pages=ext.cache.pages,
+                       draft_hidden=put(state.draft_hidden, ext.hidden),
+                       draft_logits=put(state.draft_logits, ext.logits))
+    return state._replace(**updates), PrefillOutput(first, lp, top_ids, top_lp)
 
 
 # The fields ``update_slots`` writes: admissions and releases dispatch an executable over

@@ -82,21 +82,33 @@ Guards (seed 004, as in ``spec_sampler.py``):
   the token is drawn uniformly from [0, vocab_size) with the final coin.
 * Inactive rows: tokens and path all PAD_TOKEN (-1), counters 0.
 
-Kernel design. One pallas_call (Triton path), grid (B,): one program per row walks the
-tree, so rows never wait on each other and only the nodes on the accepted path touch
-the vocabulary. The tree's O(N) metadata (tokens, parents, q rows, coins) sits in
-registers as power-of-two vectors; the vocabulary is streamed in BLOCK-wide masked
-loads (BLOCK = 8192 float32 columns at 16 warps on NVIDIA, 2048 at 8 on AMD:
-``_block_config``; the next power of two above a small vocabulary), and only for: p_c's mass and argmax at each node on the path
-(one pass), each tested child's q' normaliser (one pass over its q row), the residual
-mass after each rejection (one pass, rebuilding the residual blockwise from the
-rejected siblings' slots: token, q row, normaliser, mass), and the final inverse-CDF
-draw (one pass). The residual is never stored: w at a column is a recursion over the
-siblings rejected so far (O(m) per column at a node with m tested children), so a node
-costs O(m^2 V) reads with no scratch memory; m is the branching factor (<= 10 for
-EAGLE-2 trees). Loops that a row does not need run zero iterations (dynamic trip
-counts), so greedy rows read one p row per path node and never touch q. The
-accept/reject decisions are the reference's arithmetic; sums over the vocabulary are
+Kernel design. What the walk does at a node c does not depend on how it got there: it
+arrives with r = p_c, tests c's present children with their own coins and, accepting
+none, draws with the row's final coin. So one pallas_call (Triton path), grid (B, N+1),
+gives every node a program of its own that computes the node's outcome: the accepted
+child (or none), the token committed there (that child's, else the one emitted), the
+malformed candidates counted there and whether the emitted token fell back to p_c.
+``_walk`` then follows the accepted children from the root in plain jnp (max_depth + 1
+gathers of one outcome per row, unrolled), counting the malformed candidates of the
+nodes walked and the fallback of the last, as a sequential walk does. The latency is the
+slowest node's instead of the sum over the accepted path; the price is that nodes the
+walk never reaches compute too (a program reads its node's p row and, in a sampling row,
+the q rows of its children). A node the walk cannot reach by its structure (absent,
+below an absent node, deeper than max_depth) and every node of an inactive row skip all
+passes; a node at depth max_depth tests no child. Within a program the tree's O(N)
+metadata (tokens, parents, q rows, coins) sits in registers as power-of-two vectors; the
+vocabulary is streamed in BLOCK-wide masked loads (``_block_config``: on NVIDIA 8192
+float32 columns at 16 warps while every program has an SM to itself, else 4096 at 8;
+2048 at 8 on AMD; the next power of two above a small vocabulary), and only for: p_c's
+mass and argmax (one pass), each tested child's q' normaliser (one pass over its q row),
+the residual mass after each rejection (one pass, rebuilding the residual blockwise from
+the rejected siblings' slots: token, q row, normaliser, mass), and the inverse-CDF draw
+where no child is accepted (one pass). The residual is never stored: w at a column is a
+recursion over the siblings rejected so far (O(m) per column at a node with m tested
+children), so a node costs O(m^2 V) reads with no scratch memory; m is the branching
+factor (<= 10 for EAGLE-2 trees). Loops that a node does not need run zero iterations
+(dynamic trip counts), so a greedy row's nodes read one p row each and never touch q.
+The accept/reject decisions are the reference's arithmetic; sums over the vocabulary are
 blockwise, so the final draw may differ from the reference only where a CDF boundary
 moves by a rounding error. The public function falls back to the pure-jnp reference
 (``_verify_row`` vmapped, ``lax.fori_loop`` over the depth and the nodes) on backends
@@ -275,12 +287,19 @@ def _verify_row(tok, par, q_row, q, q_ok, p, greedy, u, active, *, vocab_size, m
 
 
 # --------------------------------------------------------------------------------------
-# Pallas kernel (Triton path): one program per row walks the tree.
+# Pallas kernel (Triton path): one program per (row, node) decides what the walk does at
+# that node; ``_walk`` then follows the decisions from the root.
 # --------------------------------------------------------------------------------------
 
 
 # Loop bounds of the dynamic-trip-count loops, all int32 (scf.for needs one type).
 _I0 = np.int32(0)  # numpy: no device array at import
+
+# A node's outcome, the kernel's output [B, N+1, 4] int32: the accepted child's node index
+# (-1: none), the token the walk commits there (the accepted child's, else the emitted
+# one; PAD_TOKEN where the walk cannot arrive), the malformed candidates counted there,
+# and 1 where the emitted token fell back to p of the node.
+_CHILD, _TOKEN, _MALFORMED, _FALLBACK = range(4)
 
 
 def _trips(flag, n: int):
@@ -295,10 +314,17 @@ def _pick(vec, lanes, i):
 
 
 def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_nodes,
-                 num_nodes_pad, num_q_rows, max_depth, depth_pad, vocab_size, block, has_q):
+                 num_nodes_pad, num_q_rows, max_depth, vocab_size, block, has_q):
+  """Program (b, c): node c's outcome in row b (``_CHILD`` .. ``_FALLBACK``), written
+  whatever it is (-1, PAD_TOKEN, 0, 0 where the walk cannot arrive).
+
+  Whatever path the walk took to c, it arrives with r = p_c and tests c's children with
+  their own coins, then draws with the row's final coin: the outcome is a function of c
+  alone, so every node computes its own and the walk only follows them (``_walk``).
+  """
   q_refs, rest = (rest[:2], rest[2:]) if has_q else (None, rest)
-  out_tok_ref, out_path_ref, stats_ref = rest
-  b = pl.program_id(0)
+  (out_ref,) = rest
+  b, c = pl.program_id(0), pl.program_id(1)
   flags = flags_ref[b]
   active = (flags & _ACTIVE) != 0
   greedy = (flags & _GREEDY) != 0
@@ -325,7 +351,21 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
     row_ok = qr_in & (plgpu.load(q_ok_ref.at[b, safe_qr], mask=in_tree & qr_in, other=0) != 0)
     row_ok_i32 = row_ok.astype(jnp.int32)
 
-  def p_block(c, cols, live):
+  # c's depth, climbing present parents: the walk reaches c (if at all) after that many
+  # moves, so c tests no child at max_depth. A node the walk can never reach (absent,
+  # below an absent node, deeper than max_depth) or of an inactive row skips every pass.
+  up = jnp.where(present, par, -1)
+
+  def climb(_, carry):
+    a, depth = carry
+    step = a > 0
+    return jnp.where(step, _pick(up, nodes, a), a), depth + _count(step)
+
+  top, depth = lax.fori_loop(_I0, np.int32(max_depth + 1), climb, (c, jnp.int32(0)))
+  live = active & (top == 0) & (depth <= max_depth)
+  at_limit = depth >= max_depth
+
+  def p_block(cols, live):
     return _as_prob(plgpu.load(p_ref.at[b, c, cols], mask=live & (cols < vocab_size),
                                other=0.0))
 
@@ -337,7 +377,7 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
 
     return lax.fori_loop(_I0, count, body, jnp.zeros(cols.shape, jnp.int32))
 
-  def w_block(c, cols, sib, count, live):
+  def w_block(cols, sib, count, live):
     """The residual weights w at `cols` after the first `count` siblings were tested:
     w_0 = p_c, w_{j+1} = max(w_j - M_j q'_j, 0) where slot j subtracted, with q'_j =
     row sib_qr[j] of q, the tokens of slots < j zeroed, over sib_s[j]."""
@@ -358,207 +398,220 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
       return w, excl | jnp.where(cols == tok_j, 1, 0)
 
     w, _ = lax.fori_loop(_I0, count, body,
-                         (p_block(c, cols, live), jnp.zeros(cols.shape, jnp.int32)))
+                         (p_block(cols, live), jnp.zeros(cols.shape, jnp.int32)))
     return w
 
-  def depth_step(d, carry):
-    c, done, path, toks, emitted, mal, fb = carry
-    live = active & ~done
-    at_limit = d >= max_depth
+  # Pass over p_c: its mass M_0 and (greedy rows) its argmax, first index.
+  def pass_a(k, acc):
+    m, best, best_idx = acc
+    cols = k * block + jnp.arange(block, dtype=jnp.int32)
+    pv = p_block(cols, live)
+    pm = jnp.where(cols < vocab_size, pv, -1.0)
+    blk_best = jnp.max(pm)
+    blk_idx = k * block + jnp.argmax(pm).astype(jnp.int32)
+    better = blk_best > best
+    return (m + jnp.sum(pv), jnp.where(better, blk_best, best),
+            jnp.where(better, blk_idx, best_idx))
 
-    # Pass over p_c: its mass M_0 and (greedy rows) its argmax, first index.
-    def pass_a(k, acc):
-      m, best, best_idx = acc
-      cols = k * block + jnp.arange(block, dtype=jnp.int32)
-      pv = p_block(c, cols, live)
-      pm = jnp.where(cols < vocab_size, pv, -1.0)
-      blk_best = jnp.max(pm)
-      blk_idx = k * block + jnp.argmax(pm).astype(jnp.int32)
-      better = blk_best > best
-      return (m + jnp.sum(pv), jnp.where(better, blk_best, best),
-              jnp.where(better, blk_idx, best_idx))
+  mass0, _, am = lax.fori_loop(_I0, _trips(live, num_blocks), pass_a,
+                               (zero_f, jnp.float32(-2.0), jnp.int32(0)))
+  match = present & (par == c) & valid & (tok == am)
+  child_g = jnp.min(jnp.where(match, nodes, _NO_INDEX))
 
-    mass0, _, am = lax.fori_loop(_I0, _trips(live, num_blocks), pass_a,
-                                 (zero_f, jnp.float32(-2.0), jnp.int32(0)))
-    match = present & (par == c) & valid & (tok == am)
-    child_g = jnp.min(jnp.where(match, nodes, _NO_INDEX))
+  # Sampling: RRS over the present children of c, in node order.
+  testing = live & sampling & ~at_limit
 
-    # Sampling: RRS over the present children of c, in node order.
-    testing = live & sampling & ~at_limit
+  def child_test(i, acc):
+    sib, count, mass, accepted, mal = acc
+    sib_tok, sib_qr, sib_m, sib_s, sib_sub = sib
+    is_child = (testing & (_pick(present_i32, nodes, i) != 0) & (_pick(par, nodes, i) == c)
+                & (accepted == _NO_INDEX))
+    valid_i = _pick(valid_i32, nodes, i) != 0
+    x = _pick(safe_tok, nodes, i)
+    if has_q:
+      qr_i = _pick(safe_qr, nodes, i)
+      ok_i = _pick(row_ok_i32, nodes, i) != 0
 
-    def child_test(i, acc):
-      sib, count, mass, accepted, mal_c = acc
-      sib_tok, sib_qr, sib_m, sib_s, sib_sub = sib
-      is_child = (testing & (_pick(present_i32, nodes, i) != 0) & (_pick(par, nodes, i) == c)
-                  & (accepted == _NO_INDEX))
-      valid_i = _pick(valid_i32, nodes, i) != 0
-      x = _pick(safe_tok, nodes, i)
-      if has_q:
-        qr_i = _pick(safe_qr, nodes, i)
-        ok_i = _pick(row_ok_i32, nodes, i) != 0
-
-        def s_pass(k, acc_s):
-          cols = k * block + jnp.arange(block, dtype=jnp.int32)
-          qv = _as_prob(plgpu.load(q_ref.at[b, qr_i, cols], mask=cols < vocab_size,
-                                   other=0.0))
-          return acc_s + jnp.sum(jnp.where(excluded(cols, sib_tok, count) != 0, 0.0, qv))
-
-        norm = lax.fori_loop(
-            _I0, _trips(is_child & valid_i, num_blocks), s_pass, zero_f)
-        excl_x = jnp.sum(jnp.where((nodes < count) & (sib_tok == x), 1, 0)) > 0
-        q_x = jnp.where(excl_x, 0.0, _as_prob(q_ref[b, qr_i, x]))
-        qx = jnp.where(norm > 0.0, q_x / jnp.where(norm > 0.0, norm, 1.0), 0.0)
-      else:
-        qr_i = jnp.int32(0)
-        ok_i = jnp.bool_(True)
-        norm = jnp.float32(1.0)
-        qx = jnp.where(valid_i, jnp.float32(1.0), jnp.float32(0.0))  # not weakly typed
-
-      # w(x) by the same recursion as w_block, on one column.
-      def w_at(j, w):
-        sub = _pick(sib_sub, nodes, j) != 0
-        tok_j = _pick(sib_tok, nodes, j)
-        if has_q:
-          s_j = _pick(sib_s, nodes, j)
-          ex = jnp.sum(jnp.where((nodes < j) & (sib_tok == x), 1, 0)) > 0
-          qv = _as_prob(q_ref[b, _pick(sib_qr, nodes, j), x])
-          qp = jnp.where(ex, 0.0, qv) / jnp.where(s_j > 0.0, s_j, 1.0)
-        else:
-          qp = jnp.where(x == tok_j, jnp.float32(1.0), jnp.float32(0.0))
-        return jnp.where(sub, jnp.maximum(w - _pick(sib_m, nodes, j) * qp, 0.0), w)
-
-      wx = lax.fori_loop(_I0, jnp.where(is_child, count, _I0), w_at,
-                         _as_prob(p_ref[b, c, x]))
-      q_is_prob = (qx > 0.0) & (qx <= 1.0)
-      good = valid_i & ok_i & q_is_prob
-      accept = is_child & good & (_pick(coins, nodes, i) * qx * mass < wx)
-      mal_c = mal_c + _count(is_child & valid_i & ~(ok_i & q_is_prob))
-      subtract = is_child & good & ~accept
-      slot = is_child & (nodes == count)
-      sib = (jnp.where(slot, jnp.where(valid_i, x, -1), sib_tok),
-             jnp.where(slot, qr_i, sib_qr),
-             jnp.where(slot, mass, sib_m),
-             jnp.where(slot, norm, sib_s),
-             jnp.where(slot, _count(subtract), sib_sub))
-      count = count + _count(is_child)
-
-      def r_pass(k, acc_r):
+      def s_pass(k, acc_s):
         cols = k * block + jnp.arange(block, dtype=jnp.int32)
-        return acc_r + jnp.sum(w_block(c, cols, sib, count, cols >= 0))
+        qv = _as_prob(plgpu.load(q_ref.at[b, qr_i, cols], mask=cols < vocab_size,
+                                 other=0.0))
+        return acc_s + jnp.sum(jnp.where(excluded(cols, sib_tok, count) != 0, 0.0, qv))
 
-      new_mass = lax.fori_loop(_I0, _trips(subtract, num_blocks), r_pass, zero_f)
-      mass = jnp.where(subtract, new_mass, mass)
-      accepted = jnp.where(accept, i, accepted)
-      return sib, count, mass, accepted, mal_c
+      norm = lax.fori_loop(
+          _I0, _trips(is_child & valid_i, num_blocks), s_pass, zero_f)
+      excl_x = jnp.sum(jnp.where((nodes < count) & (sib_tok == x), 1, 0)) > 0
+      q_x = jnp.where(excl_x, 0.0, _as_prob(q_ref[b, qr_i, x]))
+      qx = jnp.where(norm > 0.0, q_x / jnp.where(norm > 0.0, norm, 1.0), 0.0)
+    else:
+      qr_i = jnp.int32(0)
+      ok_i = jnp.bool_(True)
+      norm = jnp.float32(1.0)
+      qx = jnp.where(valid_i, jnp.float32(1.0), jnp.float32(0.0))  # not weakly typed
 
-    sib0 = (jnp.full((num_nodes_pad,), -1, jnp.int32), jnp.zeros((num_nodes_pad,), jnp.int32),
-            jnp.zeros((num_nodes_pad,), jnp.float32), jnp.zeros((num_nodes_pad,), jnp.float32),
-            jnp.zeros((num_nodes_pad,), jnp.int32))
-    sib, count, mass, child_s, mal_c = lax.fori_loop(
-        1, num_nodes, child_test, (sib0, jnp.int32(0), mass0, jnp.int32(_NO_INDEX),
-                                   jnp.int32(0)))
-    child = jnp.where(greedy, child_g, child_s)
-    child = jnp.where(at_limit, _NO_INDEX, child)
-    move = live & (child != _NO_INDEX)
-    stop = live & ~move
-    mal = mal + mal_c
+    # w(x) by the same recursion as w_block, on one column.
+    def w_at(j, w):
+      sub = _pick(sib_sub, nodes, j) != 0
+      tok_j = _pick(sib_tok, nodes, j)
+      if has_q:
+        s_j = _pick(sib_s, nodes, j)
+        ex = jnp.sum(jnp.where((nodes < j) & (sib_tok == x), 1, 0)) > 0
+        qv = _as_prob(q_ref[b, _pick(sib_qr, nodes, j), x])
+        qp = jnp.where(ex, 0.0, qv) / jnp.where(s_j > 0.0, s_j, 1.0)
+      else:
+        qp = jnp.where(x == tok_j, jnp.float32(1.0), jnp.float32(0.0))
+      return jnp.where(sub, jnp.maximum(w - _pick(sib_m, nodes, j) * qp, 0.0), w)
 
-    # The emitted token, if the walk stops here: inverse CDF of the residual (or p_c).
-    fallback = ~(mass > 0.0)
-    total = jnp.where(fallback, mass0, mass)
-    target = final_coin * total
-    draw = stop & sampling & (total > 0.0)
+    wx = lax.fori_loop(_I0, jnp.where(is_child, count, _I0), w_at,
+                       _as_prob(p_ref[b, c, x]))
+    q_is_prob = (qx > 0.0) & (qx <= 1.0)
+    good = valid_i & ok_i & q_is_prob
+    accept = is_child & good & (_pick(coins, nodes, i) * qx * mass < wx)
+    mal = mal + _count(is_child & valid_i & ~(ok_i & q_is_prob))
+    subtract = is_child & good & ~accept
+    slot = is_child & (nodes == count)
+    sib = (jnp.where(slot, jnp.where(valid_i, x, -1), sib_tok),
+           jnp.where(slot, qr_i, sib_qr),
+           jnp.where(slot, mass, sib_m),
+           jnp.where(slot, norm, sib_s),
+           jnp.where(slot, _count(subtract), sib_sub))
+    count = count + _count(is_child)
 
-    def draw_pass(k, acc_d):
+    def r_pass(k, acc_r):
       cols = k * block + jnp.arange(block, dtype=jnp.int32)
-      in_vocab = cols < vocab_size
-      w = jnp.where(fallback, p_block(c, cols, in_vocab),
-                    w_block(c, cols, sib, count, in_vocab & ~fallback))
-      return _common.inverse_cdf_block(acc_d, cols, w, target)
+      return acc_r + jnp.sum(w_block(cols, sib, count, cols >= 0))
 
-    drawn = _common.inverse_cdf_token(lax.fori_loop(
-        _I0, _trips(draw, num_blocks), draw_pass, _common.inverse_cdf_init()))
-    uniform_token = jnp.minimum((final_coin * vocab_size).astype(jnp.int32), vocab_size - 1)
-    drawn = jnp.where(drawn >= 0, drawn, uniform_token)
-    token = jnp.where(greedy, am, drawn)
-    fb = fb + _count(stop & sampling & fallback)
+    new_mass = lax.fori_loop(_I0, _trips(subtract, num_blocks), r_pass, zero_f)
+    mass = jnp.where(subtract, new_mass, mass)
+    accepted = jnp.where(accept, i, accepted)
+    return sib, count, mass, accepted, mal
 
-    steps = jnp.arange(depth_pad, dtype=jnp.int32)
-    safe_child = jnp.where(move, child, 0)
-    child_tok = _pick(tok, nodes, safe_child)
-    path = jnp.where(move & (steps == d + 1), safe_child, path)
-    toks = jnp.where(move & (steps == d), child_tok, toks)
-    toks = jnp.where(stop & (steps == d), token, toks)
-    emitted = jnp.where(stop, d, emitted)
-    c = jnp.where(move, safe_child, c)
-    return c, done | stop, path, toks, emitted, mal, fb
+  sib0 = (jnp.full((num_nodes_pad,), -1, jnp.int32), jnp.zeros((num_nodes_pad,), jnp.int32),
+          jnp.zeros((num_nodes_pad,), jnp.float32), jnp.zeros((num_nodes_pad,), jnp.float32),
+          jnp.zeros((num_nodes_pad,), jnp.int32))
+  first = c + 1  # children come after their parent; a node testing none loops 0 times
+  sib, count, mass, child_s, mal = lax.fori_loop(
+      first, jnp.where(testing, jnp.int32(num_nodes), first), child_test,
+      (sib0, jnp.int32(0), mass0, jnp.int32(_NO_INDEX), jnp.int32(0)))
+  child = jnp.where(greedy, child_g, child_s)
+  child = jnp.where(live & ~at_limit, child, _NO_INDEX)
+  stop = live & (child == _NO_INDEX)
 
-  steps = jnp.arange(depth_pad, dtype=jnp.int32)
-  pad = jnp.full((depth_pad,), PAD_TOKEN, jnp.int32)
-  init = (jnp.int32(0), jnp.bool_(False), jnp.where(steps == 0, 0, pad), pad,
-          jnp.int32(0), jnp.int32(0), jnp.int32(0))
-  _, _, path, toks, accept_len, mal, fb = lax.fori_loop(0, max_depth + 1, depth_step, init)
-  in_out = steps <= max_depth
-  plgpu.store(out_tok_ref.at[b, steps], jnp.where(active, toks, PAD_TOKEN), mask=in_out)
-  plgpu.store(out_path_ref.at[b, steps], jnp.where(active, path, PAD_TOKEN), mask=in_out)
-  field = jnp.arange(4, dtype=jnp.int32)  # accept_len, num_tokens, malformed, fallback
-  stats = jnp.where(
-      field == 0, accept_len,
-      jnp.where(field == 1, accept_len + 1,
-                jnp.where(field == 2, mal * _count(sampling), fb * _count(sampling))))
-  plgpu.store(stats_ref.at[b, field], jnp.where(active, stats, 0).astype(jnp.int32))
+  # The emitted token, if the walk stops here: inverse CDF of the residual (or p_c).
+  fallback = ~(mass > 0.0)
+  total = jnp.where(fallback, mass0, mass)
+  target = final_coin * total
+  draw = stop & sampling & (total > 0.0)
+
+  def draw_pass(k, acc_d):
+    cols = k * block + jnp.arange(block, dtype=jnp.int32)
+    in_vocab = cols < vocab_size
+    w = jnp.where(fallback, p_block(cols, in_vocab),
+                  w_block(cols, sib, count, in_vocab & ~fallback))
+    return _common.inverse_cdf_block(acc_d, cols, w, target)
+
+  drawn = _common.inverse_cdf_token(lax.fori_loop(
+      _I0, _trips(draw, num_blocks), draw_pass, _common.inverse_cdf_init()))
+  uniform_token = jnp.minimum((final_coin * vocab_size).astype(jnp.int32), vocab_size - 1)
+  drawn = jnp.where(drawn >= 0, drawn, uniform_token)
+  token = jnp.where(greedy, am, drawn)
+  token = jnp.where(stop, token, _pick(tok, nodes, jnp.where(stop, 0, child)))
+
+  field = jnp.arange(4, dtype=jnp.int32)
+  outcome = jnp.where(
+      field == _CHILD, jnp.where(child == _NO_INDEX, -1, child),
+      jnp.where(field == _TOKEN, jnp.where(live, token, PAD_TOKEN),
+                jnp.where(field == _MALFORMED, mal, _count(stop & sampling & fallback))))
+  plgpu.store(out_ref.at[b, c, field], outcome.astype(jnp.int32))
 
 
-def _block_config(vocab_size: int, gpu: _common.GpuTarget) -> tuple[int, int]:
-  """(BLOCK, num_warps). One program walks a row's tree pass after pass over the
-  vocabulary, each load waiting on the previous block's arithmetic: the pass is
-  latency-bound, so the widest load that stays in registers wins.
+def _walk(outcome, active, max_depth: int) -> TreeSamplerOutput:
+  """The accepted path through the nodes' outcomes [B, N+1, 4]: from node 0, each node's
+  accepted child and committed token, until a node accepts none (as one at depth
+  max_depth always does) and emits. Malformed candidates count at every node walked, the fallback
+  at the last, as the sequential walk counts them. max_depth + 1 gathers of one [4] row
+  per batch row, unrolled (max_depth is static): a few fused XLA ops, no device loop."""
+  batch = active.shape[0]
+  rows = jnp.arange(batch)
+  zero = jnp.zeros((batch,), jnp.int32)
+  pad = jnp.full((batch,), PAD_TOKEN, jnp.int32)
+  c, live = zero, active
+  path, toks = [jnp.where(active, zero, pad)], []
+  accept_len = num_malformed = num_fallback = zero
+  for d in range(max_depth + 1):
+    out = outcome[rows, c]  # [B, 4]
+    move = live & (out[:, _CHILD] >= 0)
+    stop = live & ~move
+    child = jnp.where(move, out[:, _CHILD], 0)
+    num_malformed = num_malformed + jnp.where(live, out[:, _MALFORMED], 0)
+    num_fallback = num_fallback + jnp.where(stop, out[:, _FALLBACK], 0)
+    toks.append(jnp.where(live, out[:, _TOKEN], pad))
+    if d < max_depth:
+      path.append(jnp.where(move, child, pad))
+    accept_len = accept_len + _count(move)
+    c, live = jnp.where(move, child, c), move
+  return TreeSamplerOutput(
+      tokens=jnp.stack(toks, axis=1), path=jnp.stack(path, axis=1),
+      num_tokens=jnp.where(active, accept_len + 1, 0), accept_len=accept_len,
+      num_malformed_q=num_malformed, num_fallback=num_fallback)
 
-  NVIDIA: 8192 float32 columns at 16 warps (16 per thread). On an H200 a 32-node tree
-  over a 128256-wide vocabulary took 0.70 ms at batch 1 against 1.1-1.6 ms with
-  1024-4096 columns at 4-8 warps (docs/BENCHMARKS.md); pipeline stages made no
-  difference (the loop has no dot for Triton to pipeline).
-  AMD: 2048 columns at 8 waves (4 per lane of a 64-wide wavefront). The kernel's nested
+
+def _block_config(vocab_size: int, num_programs: int,
+                  gpu: _common.GpuTarget) -> tuple[int, int]:
+  """(BLOCK, num_warps) for a grid of ``num_programs`` (B x (N+1)) programs. A program
+  makes one node's passes over the vocabulary, each block's load waiting on the previous
+  block's arithmetic: alone on a core, a pass is latency-bound, and the widest load that
+  stays in registers wins.
+
+  NVIDIA: 8192 float32 columns at 16 warps (16 per thread) while every program has an SM
+  to itself (batch 1-4 with 32 nodes on 132 SMs): that is the regime of the former
+  one-program-per-row walk, where this width measured best on an H200 (a 32-node tree
+  over 128256 columns: 0.70 ms at batch 1, against 1.1-1.6 ms with 1024-4096 columns at
+  4-8 warps; docs/BENCHMARKS.md). A larger grid shares the SMs: 4096 columns at 8 warps
+  (still 16 per thread), half the registers per program, so that two or more programs
+  per SM hide each other's load latency and the uneven work per node (the root testing
+  ten children, a leaf two passes) spreads over more, smaller programs. Neither choice is
+  measured for this per-node design yet (both compile for sm_90 without local memory:
+  ``scripts/rocm_compile.py --arch sm_90``). One pipeline stage: the loops have no dot for
+  Triton to pipeline (stages made no difference to the former kernel).
+  AMD: 2048 columns at 8 waves (4 per lane of a 64-wide wavefront) at any grid. The
   loops carry many uniform values, and on CDNA wider blocks add per-column compare masks
-  (64-bit SGPR pairs): SGPR spills grow with the width (gfx950, real q: 2 at 1024 x 8,
-  10 at 2048 x 8, 43 at 8192 x 16; docs/ROCM.md). They go to VGPR lanes, not memory; this
-  width halves the passes of 1024 for a few of them. Not measured on AMD hardware.
+  (64-bit SGPR pairs): the former walk, one loop level deeper, spilled SGPRs into VGPR
+  lanes at this width (gfx950, real q: 2 at 1024 x 8, 10 at 2048 x 8, 43 at 8192 x 16);
+  the per-node kernel compiles without spills at 2048 x 8 on gfx942 and gfx950
+  (scripts/rocm_compile.py). Not measured on AMD hardware.
   Smaller for a small vocabulary (>= 4 columns per thread)."""
   if gpu.platform == "rocm":
     block = min(2048, _common.next_power_of_2(vocab_size))
     return block, min(8, max(4, block // 256))
-  block = min(8192, _common.next_power_of_2(vocab_size))
+  widest = 8192 if num_programs <= gpu.num_cores else 4096
+  block = min(widest, _common.next_power_of_2(vocab_size))
   return block, min(16, max(4, block // 512))
 
 
 def _tree_sample_pallas(flags, tok, par, q_row, u, p, q, q_ok, *, vocab_size, max_depth,
                         interpret, target=None, block_v=None, num_warps=None):
   batch, num_nodes = tok.shape
-  default_block, default_warps = _block_config(vocab_size, _common.resolve_target(target))
+  default_block, default_warps = _block_config(
+      vocab_size, batch * num_nodes, _common.resolve_target(target))
   block = block_v or default_block
   if block & (block - 1):
     raise ValueError(f"block {block} must be a power of two")
   num_warps = num_warps or default_warps
   has_q = q is not None
   operands = (flags, tok, par, q_row, u, p) + ((q, q_ok) if has_q else ())
-  tokens, path, stats = pl.pallas_call(
+  outcome = pl.pallas_call(
       functools.partial(
           _tree_kernel, num_nodes=num_nodes, num_nodes_pad=_common.next_power_of_2(num_nodes),
-          num_q_rows=q.shape[1] if has_q else 1, max_depth=max_depth,
-          depth_pad=_common.next_power_of_2(max_depth + 1), vocab_size=vocab_size,
+          num_q_rows=q.shape[1] if has_q else 1, max_depth=max_depth, vocab_size=vocab_size,
           block=block, has_q=has_q),
-      out_shape=(
-          jax.ShapeDtypeStruct((batch, max_depth + 1), jnp.int32),
-          jax.ShapeDtypeStruct((batch, max_depth + 1), jnp.int32),
-          jax.ShapeDtypeStruct((batch, 4), jnp.int32),
-      ),
-      grid=(batch,),
+      out_shape=jax.ShapeDtypeStruct((batch, num_nodes, 4), jnp.int32),
+      grid=(batch, num_nodes),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="tree_sampler",
   )(*operands)
-  return TreeSamplerOutput(tokens, path, stats[:, 1], stats[:, 0], stats[:, 2], stats[:, 3])
-
+  return _walk(outcome, (flags & _ACTIVE) != 0, max_depth)
 
 
 def tree_speculative_sample_reference(

@@ -129,7 +129,7 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: Array, positions: Array, cache: KVCache | None, *,
                  logit_rows: Array | None = None, aux_layers: Sequence[int] = (),
                  compute_logits: bool = True, tree: TreeLayout | None = None,
-                 tail_rows: int = 0) -> DecoderOutput:
+                 tail_rows: int = 0, tail_blocks: int = 1) -> DecoderOutput:
         """tokens, positions: [B, T] int32; logit_rows: [B, R] indices into T or None;
         cache: the pool and the batch rows' page tables, or None (causal attention over
         the tokens given, no cache: training, scoring).
@@ -139,8 +139,9 @@ class Decoder(nnx.Module):
         capacity) are dropped. ``tree`` (a draft tree's verify): the tokens rotate at
         ``tree.rope_positions`` and attend through ``tree.block_mask``, while
         ``positions`` say where their keys and values go (``tree.block_mask`` covers
-        all but the tail rows). ``tail_rows`` (static): the last rows are one prompt
-        chunk in rows of T, attended as one query block (``AttentionBatch``).
+        all but the tail rows). ``tail_rows`` (static): the last rows are
+        ``tail_blocks`` prompt chunks in rows of T, each attended as one query block
+        (``AttentionBatch``).
         """
         cfg = self.config
         if any(not 0 <= i < cfg.num_layers for i in aux_layers):
@@ -148,7 +149,7 @@ class Decoder(nnx.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         x = self.embed_tokens(tokens)
         batch = None if cache is None else cache.attention_batch(
-            positions, None if tree is None else tree.block_mask, tail_rows)
+            positions, None if tree is None else tree.block_mask, tail_rows, tail_blocks)
         rope_positions = positions if tree is None else tree.rope_positions
         captured = {}
         for i, layer in enumerate(self.layers):

@@ -230,18 +230,20 @@ class AttentionBatch(NamedTuple):
     ``block_mask`` (a draft tree) replaces causality over the last M keys: query t sees
     key kv_len - q_len - (M - T) + u iff block_mask[b, t, u] (``paged_attention``).
 
-    ``tail_rows`` (static): the last R of the B rows are one sequence's prompt chunk
-    laid out in rows of T (a decode step carrying a chunk), attended as ONE query block
-    of R T queries: then ``kv_len`` / ``q_len`` have B - R + 1 entries (the head rows',
-    then the chunk's) and ``block_mask`` covers the B - R head rows. Rows of T attended
-    apart would each read the chunk's whole prefix from the pool, R times its bytes.
+    ``tail_rows`` / ``tail_blocks`` (static): the last R of the B rows are L prompt
+    chunks of R / L rows of T each (a decode step carrying the chunks of L requests),
+    each chunk attended as ONE query block of R T / L queries: then ``kv_len`` /
+    ``q_len`` have B - R + L entries (the head rows', then the chunks') and
+    ``block_mask`` covers the B - R head rows. Rows of T attended apart would each read
+    their chunk's whole prefix from the pool, R / L times its bytes.
     """
 
     slots: Array  # [B, T] i32 pool row of each token; num_pages * page_size = padding
-    kv_len: Array  # [B - R + 1 | B] i32 live keys, the new tokens included
-    q_len: Array  # [B - R + 1 | B] i32 valid tokens
+    kv_len: Array  # [B - R + L | B] i32 live keys, the new tokens included
+    q_len: Array  # [B - R + L | B] i32 valid tokens
     block_mask: Array | None = None  # [B - R, T, M >= T] bool, or None = causal
     tail_rows: int = 0  # R, a Python int
+    tail_blocks: int = 0  # L, a Python int dividing R (>= 1 when R > 0)
 
 
 class TreeLayout(NamedTuple):
@@ -288,10 +290,10 @@ class KVCache(NamedTuple):
         return jnp.where(valid, page * ps + pos % ps, self.pages.num_pages * ps)
 
     def attention_batch(self, positions: Array, block_mask: Array | None = None,
-                        tail_rows: int = 0) -> AttentionBatch:
+                        tail_rows: int = 0, tail_blocks: int = 1) -> AttentionBatch:
         """positions [B, T] (padding >= capacity) -> the pool rows and lengths;
         ``block_mask`` [B - tail_rows, T, M] (a draft tree's) travels with them;
-        ``tail_rows``: the last rows are one chunk (``AttentionBatch``)."""
+        ``tail_rows``: the last rows are ``tail_blocks`` chunks (``AttentionBatch``)."""
         def lengths(positions):
             valid = (positions >= 0) & (positions < self.capacity)
             pos = jnp.where(valid, positions, 0)
@@ -302,11 +304,14 @@ class KVCache(NamedTuple):
         head = positions.shape[0] - tail_rows
         kv_len, q_len = lengths(positions[:head])
         if tail_rows:
-            tail_kv, tail_q = lengths(positions[head:].reshape(1, -1))
+            if tail_blocks < 1 or tail_rows % tail_blocks:
+                raise ValueError(f"{tail_rows} tail rows do not split into {tail_blocks} "
+                                 "chunks of equal rows")
+            tail_kv, tail_q = lengths(positions[head:].reshape(tail_blocks, -1))
             kv_len, q_len = (jnp.concatenate([kv_len, tail_kv]),
                              jnp.concatenate([q_len, tail_q]))
         return AttentionBatch(self.slots(positions).astype(jnp.int32), kv_len, q_len,
-                              block_mask, tail_rows)
+                              block_mask, tail_rows, tail_blocks if tail_rows else 0)
 
 
 def causal_attention(q: Array, k: Array, v: Array) -> Array:
@@ -390,7 +395,8 @@ class Attention(nnx.Module):
         heads they use (its K / tp pool heads); page table, lengths and block mask are
         replicated. The head order of q and of the pool is shard-major by construction
         (``FusedLinear``), so device s's query heads use exactly its kv heads.
-        With ``batch.tail_rows`` the head rows and the chunk are two kernel calls.
+        With ``batch.tail_rows`` the head rows and the chunks are two kernel calls (the
+        chunks one query block each; the tail's page-table rows repeat per chunk row).
         """
         def attend(q, page_table, kv_len, q_len, block_mask=None):
             def kernel(q, k_pages, v_pages, page_table, kv_len, q_len, block_mask):
@@ -413,9 +419,10 @@ class Attention(nnx.Module):
         head = rows - batch.tail_rows
         out = attend(q[:head], page_table[:head], batch.kv_len[:head], batch.q_len[:head],
                      batch.block_mask)
-        chunk = attend(q[head:].reshape(1, -1, n, d), page_table[head:head + 1],
-                       batch.kv_len[head:], batch.q_len[head:])
-        return jnp.concatenate([out, chunk.reshape(batch.tail_rows, t, n, d)])
+        chunk_rows = batch.tail_rows // batch.tail_blocks
+        chunks = attend(q[head:].reshape(batch.tail_blocks, -1, n, d),
+                        page_table[head::chunk_rows], batch.kv_len[head:], batch.q_len[head:])
+        return jnp.concatenate([out, chunks.reshape(batch.tail_rows, t, n, d)])
 
     def qkv(self, x: Array, positions: Array, inv_freq: Array) -> tuple[Array, Array, Array]:
         """x: [B, T, in] -> q [B, T, N, D], k and v [B, T, K, D]: projected, q/k-normed
