@@ -889,10 +889,12 @@ class Engine:
         becomes last_token)."""
         return len(req.prompt) + max(len(req.output) - 1, 0)
 
-    def _page_keys(self, req: _Request, tokens: list[int]) -> list[bytes]:
-        """The prefix-cache keys of the request's full pages, extended as it grows."""
-        if len(req.page_keys) < len(tokens) // self.page_size:
-            req.page_keys = page_hashes(tokens, self.page_size, req.page_keys)
+    def _page_keys(self, req: _Request) -> list[bytes]:
+        """The prefix-cache keys of the request's full pages, extended as it grows (its
+        tokens gathered only then: this runs for every prefilling request each step)."""
+        if len(req.page_keys) < (len(req.prompt) + len(req.output)) // self.page_size:
+            req.page_keys = page_hashes(self._known_tokens(req), self.page_size,
+                                        req.page_keys)
         return req.page_keys
 
     def _schedule_prefills(self, outputs) -> list[_Request]:
@@ -936,7 +938,7 @@ class Engine:
     def _uncomputed_page_keys(self, req: _Request) -> list[bytes]:
         """The prefix-cache keys of the request's full pages its prefill has yet to
         compute."""
-        keys = self._page_keys(req, self._known_tokens(req))
+        keys = self._page_keys(req)
         return keys[req.seq_len // self.page_size:]
 
     def _admit(self, computing: set[bytes] = frozenset()) -> _Request | None:
@@ -950,7 +952,7 @@ class Engine:
         slot = self._slots.index(None)
         tokens = self._known_tokens(req)
         known = self._prefill_len(req)
-        keys = self._page_keys(req, tokens)
+        keys = self._page_keys(req)
         # The last known position is always computed: its logits (a new request's first
         # token) and its draft row (the draft's state) come from it.
         hit = self.page_allocator.match(keys, tokens, known - 1,
@@ -1073,7 +1075,7 @@ class Engine:
                 req.slot):
             return
         tokens = self._known_tokens(req)
-        self.page_allocator.register(req.slot, self._page_keys(req, tokens), tokens, computed)
+        self.page_allocator.register(req.slot, self._page_keys(req), tokens, computed)
 
     def _reserve_step_pages(self, occupied: dict[int, _Request]) -> None:
         """Gives every running request the pages the next step may write: positions up

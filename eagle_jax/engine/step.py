@@ -215,7 +215,7 @@ def _forward_with_chunks(target, state: DecodeState, tokens: Array, positions: A
                                                                  chunk_pos]))
     out = target(tokens, positions, KVCache(state.target_pages, table), aux_layers=aux_layers,
                  compute_logits=False, tree=tree, tail_rows=tail_rows,
-                 tail_blocks=max(tail_blocks, 1))
+                 tail_blocks=tail_blocks)
 
     def split(x):
         if x is None:
