@@ -569,8 +569,13 @@ class Engine:
         return max(width, min(-(-STEP_LANE // width) * width, room // width * width))
 
     def _step_lane_counts(self, batch: int) -> tuple[int, ...]:
+        """Lane counts a step of bucket ``batch`` is compiled for: up to the lanes its
+        budget holds, or that max_num_partial_prefills chunks of chunk_len can fill if
+        fewer (no executable whose lanes could never all be used)."""
+        lane = self._step_lane_len(batch)
         room = self.config.max_num_batched_tokens - batch * self.verify_width
-        return _powers_of_two(max(1, room // self._step_lane_len(batch)))
+        usable = self.config.max_num_partial_prefills * -(-self.chunk_len // lane)
+        return _powers_of_two(max(1, min(room // lane, usable)))
 
     def _prefill_shapes(self) -> list[tuple[int, int]]:
         """The (chunks, positions) shapes of the prefill executables: one chunk of every
