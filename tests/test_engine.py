@@ -243,6 +243,52 @@ def test_slot_changes_ride_in_the_next_dispatch(models, engines):
     assert out["long"] == reference["long"]
 
 
+def test_host_inputs_travel_in_one_buffer():
+    """An executable's host inputs (a prefill's chunks and slot changes) are packed into
+    one int32 buffer by ``jit_compile``: every field comes back bit for bit inside the
+    executable (negative ints, full-range uint32 keys, float NaN payloads and signed
+    zeros, bools), and a field of another shape or dtype, or of an unsupported dtype, is
+    an error naming it, never a shifted read."""
+    from eagle_jax.engine.host_inputs import HostLayout
+    from eagle_jax.engine.step import SlotUpdates
+    from eagle_jax.sampling import SamplingRows
+
+    rng = np.random.default_rng(17)
+    n = 5
+    floats = rng.standard_normal(n).astype(np.float32)
+    floats[:3] = [np.float32(-0.0), np.float32(np.inf), np.uint32(0x7FC01234).view(np.float32)]
+    slots = SlotUpdates(
+        assign=rng.random(n) < 0.5, release=rng.random(n) < 0.5,
+        sampling=SamplingRows(floats, rng.integers(-2**31, 2**31, n, dtype=np.int32),
+                              rng.random(n).astype(np.float32), floats[::-1].copy()),
+        key=rng.integers(0, 2**32, (n, 2), dtype=np.uint32))
+    tokens = rng.integers(-2**31, 2**31, (3, 7), dtype=np.int32)
+    example = (tokens, slots)
+
+    def fn(scale, tokens, slots):  # a device argument before the host ones
+        return scale * 2, tokens, slots
+
+    call = jit_compile("test", fn, (jax.numpy.ones(()),) + jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example), ())
+    scale, *out = call(jax.numpy.full((), 3.0), *example)
+    assert float(scale) == 6.0
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(example)):
+        got = np.asarray(got)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+
+    layout = HostLayout(example)
+    assert layout.size == 3 * 7 + 6 * n + 2 * n
+    with pytest.raises(ValueError, match=r"field 0 is int32\[3, 6\].*int32\[3, 7\]"):
+        layout.pack((tokens[:, :6], slots))
+    with pytest.raises(ValueError, match=r"field 1 is int32\[5\].*bool\[5\]"):
+        layout.pack((tokens, slots._replace(assign=slots.assign.astype(np.int32))))
+    with pytest.raises(ValueError, match="structure"):
+        layout.pack((tokens,))
+    with pytest.raises(ValueError, match="dtype int64"):
+        HostLayout(tokens.astype(np.int64))
+
+
 @pytest.mark.parametrize("prompt, params, message", [
     ([], SamplingParams(), "empty"),
     (list(range(7, 7 + 96)), SamplingParams(), "exceeds max_model_len"),

@@ -436,6 +436,49 @@ def test_requests_that_arrive_together_share_their_prefix(models, partial):
 
 
 @pytest.mark.parametrize("algo", ["EAGLE3", "NONE"])
+def test_requests_parting_inside_a_cached_page_do_not_wait_for_each_other(models, algo):
+    """A 24-token prefix (6 pages of 4) is in the cache; three requests arrive together
+    with it and suffixes of their own. With a draft the prefix's last page is no hit
+    for them (its last draft row took the first request's token 24), so each computes
+    it again, and none waits for another to compute it first: it would be no hit for
+    the others either. One prefill dispatch carries all three chunks (waiting, each
+    was a dispatch of its own, and while requests decode a step of its own: the TTFT
+    tail of a shared-prefix load). Tokens equal a run without the prefix cache."""
+    from eagle_jax.engine.engine import jit_compile
+
+    prefills = []  # the chunk lengths of each prefill dispatch
+
+    def counting(name, fn, example_args, donate_argnums):
+        compiled = jit_compile(name, fn, example_args, donate_argnums)
+
+        def call(*args):
+            if name == "prefill":
+                prefills.append(sorted(int(n) for n in args[3].length if n))
+            return compiled(*args)
+        return call
+
+    rng = np.random.default_rng(14)
+    prefix = [int(t) for t in rng.integers(7, 300, 24)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = [("w", prefix + [5, 6], greedy)]
+    reqs = [(f"r{i}", prefix + [int(t) for t in rng.integers(7, 300, 5 + i)], greedy)
+            for i in range(3)]
+    draft = models["eagle3"] if algo == "EAGLE3" else None
+    engine = Engine(EngineConfig(model=models["target"], draft_model=draft,
+                                 speculative_algorithm=algo,
+                                 **{**BASE, "max_num_partial_prefills": 4}),
+                    compile_fn=counting)
+    _run(engine, first)
+    prefills.clear()
+    tokens, cached = _run(engine, reqs)
+    recomputed = 4 if algo == "EAGLE3" else 0  # the prefix's last page
+    assert prefills == [[5 + recomputed, 6 + recomputed, 7 + recomputed]]
+    assert set(cached.values()) == {24 - recomputed}
+    ref, _ = _run(_engine(models, algo, enable_prefix_caching=False), reqs)
+    assert tokens == ref
+
+
+@pytest.mark.parametrize("algo", ["EAGLE3", "NONE"])
 def test_prefill_chunks_ride_along_with_decoding(models, algo):
     """A 50-token prompt arrives while a request decodes: each step carries a 16-position
     chunk of it in the decode step's own forward (rows of the step's width beside the

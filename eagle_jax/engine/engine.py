@@ -44,6 +44,7 @@ from eagle_jax.engine import step as step_lib
 from eagle_jax.engine.config import CPU_MAX_MODEL_LEN, EngineConfig
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength, FixedDraftLength
 from eagle_jax.engine.draft_tree import scratch_positions
+from eagle_jax.engine.host_inputs import HostLayout
 from eagle_jax.engine.page_allocator import (
     OutOfPages, PageAllocator, page_hashes, pages_for, plan_pool)
 from eagle_jax.engine.types import (
@@ -130,9 +131,40 @@ CompileFn = Callable[[str, Callable, tuple, tuple[int, ...]], Callable]
 
 def jit_compile(name: str, fn: Callable, example_args: tuple,
                 donate_argnums: tuple[int, ...]) -> Callable:
-    """The serving ``CompileFn``: one XLA executable, the donated buffers updated in place."""
+    """The serving ``CompileFn``: one XLA executable, the donated buffers updated in place.
+
+    The arguments given as host arrays (numpy arrays, or ShapeDtypeStructs in
+    ``example_args``: prompt chunks, slot changes, page-table updates) travel packed in
+    one buffer (``HostLayout``), one host-to-device copy per call instead of one per
+    field; the returned callable takes them as ``fn`` does."""
     del name
-    return jax.jit(fn, donate_argnums=donate_argnums).lower(*example_args).compile()
+    host = [i for i, arg in enumerate(example_args) if _is_host_input(arg)]
+    if not host:
+        return jax.jit(fn, donate_argnums=donate_argnums).lower(*example_args).compile()
+    device = [i for i in range(len(example_args)) if i not in host]
+    layout = HostLayout([example_args[i] for i in host])
+
+    def unpacked(*args):
+        full = dict(zip(device, args[:-1]))
+        full.update(zip(host, layout.unpack(args[-1])))
+        return fn(*(full[i] for i in range(len(example_args))))
+
+    compiled = jax.jit(unpacked, donate_argnums=tuple(
+        device.index(i) for i in donate_argnums)).lower(
+            *(example_args[i] for i in device), layout.spec).compile()
+
+    def call(*args):
+        return compiled(*(args[i] for i in device), layout.pack([args[i] for i in host]))
+
+    return call
+
+
+def _is_host_input(arg) -> bool:
+    """Whether an example argument is host inputs: a pytree of numpy arrays or
+    ShapeDtypeStructs (device arguments are jax arrays)."""
+    leaves = jax.tree.leaves(arg)
+    return bool(leaves) and all(isinstance(x, (np.ndarray, jax.ShapeDtypeStruct))
+                                for x in leaves)
 
 
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.75
@@ -729,7 +761,7 @@ class Engine:
             live = np.arange(self.num_slots) < bucket
             fn = self._step_fn(bucket, False, draft_length=length)
             args = self.step_inputs()[:2]
-            updates = jnp.asarray(self._page_updates([]))
+            updates = self._page_updates([])
             for calls in (1, repeats):  # the first call warms the executable up
                 self.state = self.state._replace(
                     active=jnp.asarray(live), seq_len=jnp.where(live, context, 0),
@@ -925,32 +957,42 @@ class Engine:
         while their positions to prefill stay under ``budget``, at most
         max_num_partial_prefills in all. A request is matched against the prefix cache
         when it is admitted; one whose next page not in the cache is a page a candidate
-        is about to compute waits (admitted after that chunk ran, it shares the page
-        rather than computing it again), so requests that arrive together share the
-        pages of their common prefix."""
+        is about to compute, and would be a hit once computed, waits (admitted after that
+        chunk ran, it shares the page rather than computing it again), so requests that
+        arrive together share the pages of their common prefix. With a draft, a page
+        whose next token differs is no hit (``PageAllocator``): requests whose prompts
+        part inside the page after a cached prefix do not wait for each other."""
         most = self.config.max_num_partial_prefills
         reqs = sorted((r for r in self._slots if r is not None and r.in_prefill),
                       key=lambda r: r.admitted)[:most]
         wanted = sum(self._prefill_len(r) - r.seq_len for r in reqs)
-        computing = {key for r in reqs for key in self._uncomputed_page_keys(r)}
+        computing = {claim for r in reqs
+                     for claim in self._page_claims(r, r.seq_len // self.page_size)}
         while len(reqs) < most and wanted < budget and (
                 req := self._admit(computing)) is not None:
             reqs.append(req)
             wanted += self._prefill_len(req) - req.seq_len
-            computing.update(self._uncomputed_page_keys(req))
+            computing.update(self._page_claims(req, req.seq_len // self.page_size))
         return reqs
 
-    def _uncomputed_page_keys(self, req: _Request) -> list[bytes]:
-        """The prefix-cache keys of the request's full pages its prefill has yet to
-        compute."""
-        keys = self._page_keys(req)
-        return keys[req.seq_len // self.page_size:]
+    def _page_claims(self, req: _Request, start: int, stop: int | None = None
+                     ) -> list[tuple[bytes, int | None]]:
+        """What another request must share for each full page [start, stop) of ``req`` to
+        be its prefix-cache hit: the page's key and, with a draft (a page's last draft
+        row depends on the token after it), that token (None where it is not known)."""
+        keys = self._page_keys(req)[start:stop]
+        if self.draft is None:
+            return [(key, None) for key in keys]
+        tokens, size = self._known_tokens(req), self.page_size
+        return [(key, tokens[(i + 1) * size] if (i + 1) * size < len(tokens) else None)
+                for i, key in enumerate(keys, start)]
 
-    def _admit(self, computing: set[bytes] = frozenset()) -> _Request | None:
+    def _admit(self, computing: set[tuple] = frozenset()) -> _Request | None:
         """Gives the oldest waiting request a slot and the pages of its known tokens (the
         cached pages of its prefix shared), if a slot is free, the pool has pages for
         it and its first step, and its first page not in the cache is not among
-        ``computing`` (pages about to be computed); else None (it waits)."""
+        ``computing`` (``_page_claims`` of pages about to be computed); else None (it
+        waits)."""
         if not self._waiting or None not in self._slots:
             return None
         req = self._waiting[0]
@@ -962,7 +1004,8 @@ class Engine:
         # token) and its draft row (the draft's state) come from it.
         hit = self.page_allocator.match(keys, tokens, known - 1,
                                         check_next=self.draft is not None)
-        if len(hit) < len(keys) and keys[len(hit)] in computing:
+        if len(hit) < (known - 1) // self.page_size and self._page_claims(
+                req, len(hit), len(hit) + 1)[0] in computing:
             return None
         if not self.page_allocator.can_reserve(slot, known + self.step_tokens, hit):
             return None
@@ -1039,6 +1082,7 @@ class Engine:
         self.state, out = self._prefill_fn(num, size)(
             self._target_params, self._draft_params, self.state, chunks,
             self._take_slot_updates())
+        out.token.copy_to_host_async()  # read next: its copy queues behind the prefill
         self._num_prefill_runs += 1
         by_slot = {r.slot: r for r in reqs}
         self._commit_first_tokens([(i, by_slot[slot]) for i, slot in enumerate(
