@@ -54,13 +54,14 @@ from benchtools import device_ms_per_op, print_profile  # noqa: E402
 
 class _PrefillTimer:
     """Times where a request's first token goes: the host's work before the prefill
-    executable is called (admission, prefix match, slot assignment), the prefill
-    executable from its call until its output is ready, and the host's work after (first
-    token's commit, the decode step's dispatch). Installed on an engine's instance."""
+    executable is called (admission, prefix match, slot assignment), the call's dispatch
+    (until it returns: argument handling and the launch of XLA's command buffers), the
+    wait until its output is ready (the device's work), and the host's work after
+    (first token's read and commit). Installed on an engine's instance."""
 
     def __init__(self, engine: Engine):
-        self.calls: list[tuple[float, float]] = []  # (call, output ready) per prefill
-        self.records: list[tuple[float, float, float]] = []  # (before, prefill, after)
+        self.calls: list[tuple[float, float, float]] = []  # (call, returned, ready)
+        self.records: list[tuple[float, ...]] = []  # (before, dispatch, wait, after)
         build = engine._prefill_fn
 
         def timed_prefill_fn(num, size):
@@ -68,8 +69,10 @@ class _PrefillTimer:
 
             def call(*args):
                 t0 = time.perf_counter()
-                out = jax.block_until_ready(run(*args))  # the engine reads it next anyway
-                self.calls.append((t0, time.perf_counter()))
+                out = run(*args)
+                t1 = time.perf_counter()
+                jax.block_until_ready(out)  # the engine reads it next anyway
+                self.calls.append((t0, t1, time.perf_counter()))
                 return out
             return call
         engine._prefill_fn = timed_prefill_fn
@@ -77,14 +80,16 @@ class _PrefillTimer:
     def record(self, t0: float, t_first: float) -> None:
         """Splits one request's time to first token at its prefill calls."""
         calls = [c for c in self.calls if c[0] >= t0]  # (not an untimed request's)
-        (start, _), (_, ready) = calls[0], calls[-1]
         self.calls.clear()
-        self.records.append((start - t0, ready - start, t_first - ready))
+        start, ready = calls[0][0], calls[-1][2]
+        dispatch = sum(t1 - t0 for t0, t1, _ in calls)
+        self.records.append((start - t0, dispatch, ready - start - dispatch, t_first - ready))
 
     def medians(self) -> dict:
         """Milliseconds of each part, medians over the recorded requests."""
-        before, prefill, after = (1e3 * statistics.median(x) for x in zip(*self.records))
-        return dict(host_before_ms=before, prefill_ms=prefill, host_after_ms=after)
+        before, dispatch, wait, after = (1e3 * statistics.median(x) for x in zip(*self.records))
+        return dict(host_before_ms=before, prefill_dispatch_ms=dispatch,
+                    prefill_wait_ms=wait, host_after_ms=after)
 
 
 def _first_token_time(engine: Engine, rid: str, prompt: list[int], max_tokens: int = 1,
