@@ -983,9 +983,18 @@ class Engine:
         keys = self._page_keys(req)[start:stop]
         if self.draft is None:
             return [(key, None) for key in keys]
-        tokens, size = self._known_tokens(req), self.page_size
-        return [(key, tokens[(i + 1) * size] if (i + 1) * size < len(tokens) else None)
+        return [(key, self._known_token(req, (i + 1) * self.page_size))
                 for i, key in enumerate(keys, start)]
+
+    @staticmethod
+    def _known_token(req: _Request, position: int) -> int | None:
+        """The request's token at ``position`` (``_known_tokens(req)[position]`` without
+        gathering them all: this runs for every prefilling request each step), or None
+        where it is not known yet."""
+        if position < len(req.prompt):
+            return req.prompt[position]
+        position -= len(req.prompt)
+        return req.output[position] if position < len(req.output) else None
 
     def _admit(self, computing: set[tuple] = frozenset()) -> _Request | None:
         """Gives the oldest waiting request a slot and the pages of its known tokens (the
