@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.engine.draft_tree import (build_draft_tree, frontier_sizes, level_widths,
-                                         num_expanded)
+from eagle_jax.engine.draft_tree import build_draft_tree, frontier_sizes, level_widths
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.kernels.tree_sampler import tree_speculative_sample_reference
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
@@ -58,10 +57,9 @@ def _verify_step(key, roots, log_p, log_q, rows, rerank):
     n = roots.shape[0]
     draft = MarkovDraft(log_q)
     k_draw, k_accept = jax.random.split(key)
-    u_draw = jax.random.uniform(k_draw, (n, num_expanded(K, S, N), K))
     tree = build_draft_tree(
         draft, draft.log_q[roots], jax.nn.one_hot(roots, V), jnp.zeros(n, jnp.int32),
-        jnp.ones(n, bool), rows, u_draw, None, topk=K, num_steps=S, num_nodes=N,
+        jnp.ones(n, bool), rows, jax.random.split(k_draw, n), None, topk=K, num_steps=S, num_nodes=N,
         real_q=True, target_vocab_size=V, vocab_size=None, pad_position=1 << 30,
         _eagle2_rerank_sampled_rows=rerank)
     tokens = tree.tokens.at[:, 0].set(roots)

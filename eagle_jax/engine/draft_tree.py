@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.kernels.draft_proposal import probs_row_ok
-from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
+from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.kernels.tree_mask import build_tree_mask
 from eagle_jax.models.layers import KVCache, TreeLayout
 from eagle_jax.sampling import SamplingRows
@@ -125,15 +125,24 @@ def num_expanded(topk: int, num_steps: int, num_nodes: int) -> int:
     return 1 + scratch_positions(topk, num_steps, num_nodes)
 
 
-def _children(logits: Array, rows: SamplingRows, real_rows: Array, uniforms: Array,
+def _children(logits: Array, rows: SamplingRows, real_rows: Array, draw_keys: Array,
               d2t: Array | None, vocab_size: int | None, topk: int):
     """K children of each of R expanded nodes.
 
-    logits [B, R, Vd]; real_rows [B] (draw from q, else take the top K); uniforms
-    [B, R, K]. Returns (tokens [B, R, K] target ids, their step log-probability [B, R, K]
-    (raw draft log-softmax for top-K rows, log q for drawn ones; -inf where fewer than K
-    tokens have mass), the q mass left before each draw [B, R, K] (1 for top-K rows),
-    q [B, R, Vd]).
+    logits [B, R, Vd]; real_rows [B] (draw from q, else take the top K); draw_keys [B, 2]
+    uint32, this level's PRNG key of each row. Returns (tokens [B, R, K] target ids, their
+    step log-probability [B, R, K] (raw draft log-softmax for top-K rows, log q for drawn
+    ones; -inf where fewer than K tokens have mass), the q mass left before each draw
+    [B, R, K] (1 for top-K rows), q [B, R, Vd]).
+
+    Drawn rows take K draws without replacement from q by the Gumbel-top-K trick: the K
+    largest of log q(v) + G_v (G_v i.i.d. standard Gumbel, v with q(v) > 0), in
+    decreasing order, are distributed exactly as K successive draws, each from q with the
+    earlier draws removed and renormalised (Plackett-Luce; Kool et al., 2019), which is
+    what recursive rejection sampling assumes of siblings. One pass over the vocabulary
+    and one top-K instead of K inverse-CDF draws (a cumulative sum and a handful of
+    reductions each): on the H200 the sequential draws were ~370 of a 4x6x32 tree step's
+    ~1200 kernels at T = 1 (docs/BENCHMARKS.md).
     """
     num_cols = logits.shape[-1]
     lead = logits.shape[:-1]
@@ -143,20 +152,19 @@ def _children(logits: Array, rows: SamplingRows, real_rows: Array, uniforms: Arr
     top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), topk)
 
     def draw(_):
-        """K draws without replacement, each an inverse-CDF draw from what is left."""
+        """K draws without replacement from q (Gumbel-top-K, see above)."""
         q = sampling_probs(logits, SamplingRows(*(jnp.broadcast_to(v[:, None], lead)
                                                    for v in rows)), vocab_size)
-        drawn, drawn_q, q_left = [], [], []
-        rest, left = q, jnp.ones(lead, jnp.float32)
-        for k in range(topk):
-            tok = sample_from_probs(rest, uniforms[..., k])
-            q_tok = jnp.take_along_axis(rest, tok[..., None], axis=-1)[..., 0]
-            drawn.append(tok)
-            drawn_q.append(q_tok)
-            q_left.append(left)
-            left = left - q_tok
-            rest = jnp.where(jnp.arange(num_cols) == tok[..., None], 0.0, rest)
-        return jnp.stack(drawn, -1), jnp.stack(drawn_q, -1), jnp.stack(q_left, -1), q
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, lead[1:] + (num_cols,),
+                                                        jnp.float32))(draw_keys)
+        has_mass = jnp.isfinite(q) & (q > 0)
+        score = jnp.where(has_mass, jnp.log(jnp.where(has_mass, q, 1.0)) + gumbel, -jnp.inf)
+        top_score, drawn = jax.lax.top_k(score, topk)  # [B, R, K], in draw order
+        # A slot past the row's tokens with mass (score -inf) is no draw: q 0, invalid.
+        drawn_q = jnp.where(jnp.isfinite(top_score),
+                            jnp.take_along_axis(q, drawn, axis=-1), 0.0)
+        q_left = 1.0 - (jnp.cumsum(drawn_q, axis=-1) - drawn_q)  # mass before each draw
+        return drawn.astype(jnp.int32), drawn_q, q_left, q
 
     def skip(_):  # no row samples (a greedy batch): nothing is drawn
         zeros = jnp.zeros(lead + (topk,), jnp.float32)
@@ -184,15 +192,16 @@ class _Level(NamedTuple):
 
 
 def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active: Array,
-                     rows: SamplingRows, uniforms: Array, cache: KVCache, *, topk: int,
+                     rows: SamplingRows, draw_keys: Array, cache: KVCache, *, topk: int,
                      num_steps: int, num_nodes: int, real_q: bool, target_vocab_size: int,
                      vocab_size: int | None, pad_position: int,
                      _eagle2_rerank_sampled_rows: bool = False) -> DraftTree:
     """Drafts one tree per row (see the module docstring).
 
     logits [B, Vd], hidden [B, H]: the draft's state after the committed tokens;
-    seq_len, active [B]; rows: the rows' sampling parameters; uniforms [B, E, K] (one
-    per draw, E = ``num_expanded``); cache: the draft's pool and the rows' page tables.
+    seq_len, active [B]; rows: the rows' sampling parameters; draw_keys [B, 2] uint32,
+    each row's PRNG key for its draws (level l draws with ``fold_in(key, l)``, so a row's
+    draws depend on its own key only); cache: the draft's pool and the rows' page tables.
     ``real_q``: sampling rows are verified with the draft's q (recursive rejection
     sampling), else target-only. Absent nodes (fewer valid candidates than N) get
     parent -1. ``_eagle2_rerank_sampled_rows`` (tests only) chooses real-q rows' nodes by
@@ -216,8 +225,8 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
     for level in range(1, S + 1):
         r = front_logits.shape[1]
         tokens, step_lp, q_left, q = _children(
-            front_logits, rows, real_rows, uniforms[:, first_row:first_row + r], draft.d2t,
-            vocab_size, K)
+            front_logits, rows, real_rows, jax.vmap(jax.random.fold_in, (0, None))(
+                draw_keys, level), draft.d2t, vocab_size, K)
         qs.append(q)
         cum = front_cum[:, :, None] + step_lp  # [B, R, K]; -inf propagates
         pre_draw = front_sel[:, :, None] + jnp.log(jnp.maximum(q_left, 0.0))  # sel

@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.engine.draft_tree import build_draft_tree, num_expanded
+from eagle_jax.engine.draft_tree import build_draft_tree
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
 from eagle_jax.kernels.spec_sampler import SamplerOutput, speculative_sample
@@ -416,14 +416,12 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
     state = _apply_chunk_pages(apply_page_updates(state, page_updates), chunks)
     seq_len, last, rows, keys, active = _rows(state, batch)
     keys, sub = _split_keys(keys, 2)
-    expanded = num_expanded(K, S, N)
-    u_draw = _uniforms(sub[:, 0], expanded * K).reshape(batch, expanded, K)
     u_accept = _uniforms(sub[:, 1], N + 2)
 
     # 1. Draft the tree (its scratch KV above seq_len).
     tree = build_draft_tree(
         draft, state.draft_logits[:batch], state.draft_hidden[:batch], seq_len, active, rows,
-        u_draw, KVCache(state.draft_pages, state.page_table[:batch]), topk=K, num_steps=S,
+        sub[:, 0], KVCache(state.draft_pages, state.page_table[:batch]), topk=K, num_steps=S,
         num_nodes=N, real_q=not target_only, target_vocab_size=target.config.vocab_size,
         vocab_size=None if draft.d2t is not None else vocab_size, pad_position=PAD_POSITION)
 
