@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.engine.draft_tree import build_draft_tree, frontier_sizes, level_widths
+from eagle_jax.engine.draft_tree import _children, build_draft_tree, frontier_sizes, level_widths
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.kernels.tree_sampler import tree_speculative_sample_reference
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
@@ -118,3 +118,39 @@ def test_level_widths_and_frontiers():
     assert sum(level_widths(8, 5, 63)) == 63
     assert level_widths(4, 3, 3) == (3, 0, 0)  # no level below a cut frontier
     assert frontier_sizes(4, 3, 3) == (4, 4)  # greedy rows still expand K per level
+
+
+def test_children_are_drawn_without_replacement_in_order():
+    """A sampled node's K children (Gumbel-top-K) are distributed as K successive draws
+    from q, each without the earlier ones: Plackett-Luce over ordered triples; the mass
+    left before each draw is 1 minus the earlier draws' q; a row with fewer than K
+    tokens of mass (top_k = 2 < K = 3) marks its extra slot invalid."""
+    n, k = 60000, 3
+    logits = jax.random.normal(jax.random.key(11), (V,)) * 1.5
+    rows = SamplingRows(*(jnp.full((n,), x, dt) for x, dt in (
+        (1.0, jnp.float32), (TOP_K_ALL, jnp.int32), (1.0, jnp.float32), (0.0, jnp.float32))))
+    keys = jax.random.split(jax.random.key_data(jax.random.key(12)), n)
+    draw = jax.jit(lambda lg, r, keys: _children(lg, r, jnp.ones(n, bool), keys, None, None, k))
+    tokens, step_lp, q_left, q = draw(jnp.broadcast_to(logits, (n, 1, V)), rows, keys)
+    tokens, q_left = np.asarray(tokens[:, 0]), np.asarray(q_left[:, 0])
+    qv = np.asarray(q[0, 0], np.float64)
+    exact = np.zeros((V, V, V))
+    for a in range(V):
+        for b in range(V):
+            for c in range(V):
+                if len({a, b, c}) == 3:
+                    exact[a, b, c] = qv[a] * qv[b] / (1 - qv[a]) * qv[c] / (1 - qv[a] - qv[b])
+    counts = np.zeros((V, V, V), np.int64)
+    np.add.at(counts, (tokens[:, 0], tokens[:, 1], tokens[:, 2]), 1)
+    assert chi2_pvalue(counts, exact) > ALPHA
+    np.testing.assert_allclose(q_left[:, 0], 1.0, atol=1e-6)
+    np.testing.assert_allclose(q_left[:, 1], 1 - qv[tokens[:, 0]], atol=1e-5)
+    np.testing.assert_allclose(q_left[:, 2], 1 - qv[tokens[:, 0]] - qv[tokens[:, 1]], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(step_lp[:, 0]), np.log(qv[tokens]), rtol=1e-5)
+
+    top2 = rows._replace(top_k=jnp.full((n,), 2, jnp.int32))
+    tokens, step_lp, _, _ = draw(jnp.broadcast_to(logits, (n, 1, V)), top2, keys)
+    kept = set(np.argsort(-np.asarray(logits))[:2].tolist())
+    assert set(np.unique(np.asarray(tokens[:, 0, :2])).tolist()) == kept
+    assert np.all(np.isfinite(np.asarray(step_lp[:, 0, :2])))
+    assert np.all(np.isneginf(np.asarray(step_lp[:, 0, 2])))  # no third token has mass
