@@ -76,7 +76,7 @@ _FIRST_CHILD = 1e6
 
 class DraftTree(NamedTuple):
     """A draft tree per row. N1 = num_nodes + 1 nodes (node 0 the root), E expanded
-    nodes (the root, then the frontier of levels 1 .. S-1: ``num_expanded``)."""
+    nodes (the root, then the frontier of levels 1 .. S-1: 1 + ``scratch_positions``)."""
 
     tokens: Array  # [B, N1] i32 target ids (node 0: the last committed token)
     parents: Array  # [B, N1] i32, -1 for the root and absent nodes
@@ -118,11 +118,6 @@ def frontier_sizes(topk: int, num_steps: int, num_nodes: int) -> tuple[int, ...]
 def scratch_positions(topk: int, num_steps: int, num_nodes: int) -> int:
     """Draft KV rows a tree writes above the sequence: one per expanded node."""
     return sum(frontier_sizes(topk, num_steps, num_nodes))
-
-
-def num_expanded(topk: int, num_steps: int, num_nodes: int) -> int:
-    """E: the root and every frontier node (rows of ``DraftTree.draft_probs``)."""
-    return 1 + scratch_positions(topk, num_steps, num_nodes)
 
 
 def _children(logits: Array, rows: SamplingRows, real_rows: Array, draw_keys: Array,
