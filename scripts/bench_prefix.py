@@ -64,8 +64,8 @@ class _PrefillTimer:
         self.records: list[tuple[float, ...]] = []  # (before, dispatch, wait, after)
         build = engine._prefill_fn
 
-        def timed_prefill_fn(num, size):
-            run = build(num, size)
+        def timed_prefill_fn(num, size, with_logprobs=False):
+            run = build(num, size, with_logprobs)
 
             def call(*args):
                 t0 = time.perf_counter()

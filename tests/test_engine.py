@@ -381,6 +381,23 @@ def test_logprobs_of_committed_tokens(models, engines):
         assert list(lp.top) == [int(i) for i in np.argsort(-row)[:3]]
 
 
+def test_prefill_ranks_the_vocabulary_only_when_asked_for_logprobs(engines):
+    """A first token's top logprobs are a top-k over the whole vocabulary (on a GPU a
+    sort of 128k entries for a Llama-3 vocabulary, which also splits the prefill's
+    command buffer): the prefill of requests that ask for none leaves it out (the test
+    above checks the values when asked)."""
+    eng = engines("eagle3")
+
+    def traced(with_logprobs):
+        return str(jax.make_jaxpr(eng.prefill_function(with_logprobs))(
+            *eng.prefill_inputs(2, 16)))
+
+    assert "top_k" in traced(True)
+    without = traced(False)
+    assert "top_k" not in without and " sort" not in without, [
+        line for line in without.splitlines() if "top_k" in line or " sort" in line][:4]
+
+
 def test_draft_probs_hook_with_a_tree_is_refused(models):
     with pytest.raises(ValueError, match="no effect on a tree"):
         _new_engine(models, "EAGLE3", hook=lambda q: q, **TREE)

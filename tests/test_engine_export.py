@@ -1,4 +1,4 @@
-"""The jitted engine step lowers for ROCm and CUDA from this CPU machine.
+"""The jitted engine step and prefill lower for ROCm and CUDA from this CPU machine.
 
 The kernels inside the step are forced onto their compiled Triton path, with the block
 sizes of a GPU of that platform (``compiled_kernels(target=)``), so the exported module
@@ -84,4 +84,14 @@ def test_length_zero_step_and_draft_catch_up_export(adaptive_engine, platform, t
     # Fused norm-concat, paged attention and the gathered LM head of the draft's extend.
     assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") >= 3
     for name in ("rmsnorm_concat", "paged_attention", "gathered_lm_head"):
+        assert name in text, name
+
+
+@pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
+def test_prefill_exports_with_triton_kernels(engine, platform, target):
+    """The prefill of two 16-position chunks: the target's forward, the first tokens'
+    sampling and the draft's extend."""
+    text = _export(engine.prefill_function(), engine.prefill_inputs(2, 16), (2,), platform,
+                   target).mlir_module()
+    for name in ("paged_attention", "rmsnorm_concat", "gathered_lm_head"):
         assert name in text, name

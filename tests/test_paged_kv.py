@@ -517,6 +517,41 @@ def test_prefill_chunks_ride_along_with_decoding(models, algo):
     assert all(s == {"short"} for s in steps_in_prefill[:2])
 
 
+def test_a_carried_prompt_gets_its_first_tokens_logprobs(models):
+    """A prompt that asks for logprobs, prefilled in chunks that ride in the steps of a
+    request that asks for none: its first token (sampled by the step that carried its
+    last chunk) has its logprobs, equal to those of the prompt prefilled alone."""
+    rng = np.random.default_rng(17)
+    short = [int(t) for t in rng.integers(7, 300, 6)]
+    long = [int(t) for t in rng.integers(7, 300, 50)]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    asking = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+    def first_logprob(engine, prefilled_alone):
+        if not prefilled_alone:
+            engine.add_request("short", short, plain)
+            engine.step()
+        engine.add_request("long", long, asking)
+        carried_steps = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id == "long" and o.new_token_ids:
+                    assert o.new_logprobs and len(o.new_logprobs) == len(o.new_token_ids)
+                    return o.new_logprobs[0], carried_steps
+            carried_steps += 1
+        raise AssertionError("the long request emitted nothing")
+
+    width = BASE["num_steps"] + 1
+    carried, steps = first_logprob(_engine(models, max_num_batched_tokens=4 * width + 16),
+                                   prefilled_alone=False)
+    assert steps >= 3  # 50 positions in chunks of 16, each carried by a decode step
+    alone, _ = first_logprob(_engine(models), prefilled_alone=True)
+    assert carried.token_id == alone.token_id
+    assert abs(carried.logprob - alone.logprob) < 1e-4
+    assert list(carried.top) == list(alone.top)
+    assert all(abs(carried.top[t] - alone.top[t]) < 1e-4 for t in alone.top)
+
+
 @pytest.mark.parametrize("algo", ["EAGLE3", "NONE"])
 def test_chunks_of_several_requests_share_one_forward(models, algo):
     """Prompts that arrive together are prefilled in one forward: three reaching an idle

@@ -566,19 +566,31 @@ class Engine:
             start=spec(), length=spec(), next_token=spec(), is_last=spec((), jnp.bool_),
             sample_next=spec((), jnp.bool_))
 
-    def _prefill_fn(self, num: int, size: int):
+    def _prefill_fn(self, num: int, size: int, with_logprobs: bool = False):
         """The executable that prefills the chunks of ``num`` requests, ``size``
-        positions each, alone."""
+        positions each, alone; the first tokens' logprobs only ``with_logprobs``."""
+        return self._executable(("prefill", num, size, with_logprobs), lambda: (
+            self.prefill_function(with_logprobs), self.prefill_inputs(num, size), (2,)))
+
+    def prefill_inputs(self, num: int, size: int) -> tuple:
+        """Arguments of ``prefill_function``'s function for ``num`` chunks of ``size``
+        positions (the chunks and slot changes as ShapeDtypeStructs)."""
+        return (self._target_params, self._draft_params, self.state,
+                self._chunks_spec(num, size), self._slot_updates_spec())
+
+    def prefill_function(self, with_logprobs: bool = False) -> Callable:
+        """The pure prefill: ``(target_params, draft_params, state, chunks, slot changes)
+        -> (state, PrefillOutput)`` (``step_lib.prefill_chunks``). The engine compiles it
+        with ``state`` donated."""
         tg, dg = self._target_graph, self._draft_graph
 
         def run(target_params, draft_params, state, chunks, slots):
             return step_lib.prefill_chunks(_merge(tg, target_params),
                                            _merge(dg, draft_params), state, chunks, slots,
-                                           vocab_size=self.vocab_size)
+                                           vocab_size=self.vocab_size,
+                                           with_logprobs=with_logprobs)
 
-        return self._executable(("prefill", num, size), lambda: (run, (
-            self._target_params, self._draft_params, self.state, self._chunks_spec(num, size),
-            self._slot_updates_spec()), (2,)))
+        return run
 
     # ---------------------------------------------------------- chunk shapes
     # A forward's chunks are compiled shapes, so they come from a small set, and the
@@ -699,7 +711,8 @@ class Engine:
         """Compiles every prefill and step bucket ahead of serving, several at once:
         XLA's compiler runs outside the GIL, so threads overlap the compiles (of an
         8B-shaped step, ~15 s each on one core) while tracing takes turns."""
-        jobs = [lambda n=n, c=c: self._prefill_fn(n, c) for n, c in self._prefill_shapes()] + [
+        jobs = [lambda n=n, c=c: self._prefill_fn(n, c, with_logprobs)
+                for n, c in self._prefill_shapes()] + [
             lambda b=b, s=s: self._step_fn(b, with_logprobs, draft_length=s)
             for b in self.batch_buckets for s in self.draft_lengths] + [
             lambda b=b, n=n: self._step_fn(b, with_logprobs, n)
@@ -1088,7 +1101,8 @@ class Engine:
         remaining = [min(self._prefill_len(r) - r.seq_len, budget) for r in reqs]
         num, size = self._chunk_shape(self._prefill_shapes(), remaining)
         chunks = self._take_chunks(reqs, num, size, budget)
-        self.state, out = self._prefill_fn(num, size)(
+        with_logprobs = any(r.params.logprobs is not None for r in reqs)
+        self.state, out = self._prefill_fn(num, size, with_logprobs)(
             self._target_params, self._draft_params, self.state, chunks,
             self._take_slot_updates())
         out.token.copy_to_host_async()  # read next: its copy queues behind the prefill
@@ -1187,8 +1201,10 @@ class Engine:
             return None
         self._apply_slot_updates()
         batch = next(b for b in self.batch_buckets if b > max(occupied))
-        with_logprobs = any(r.params.logprobs is not None for r in occupied.values())
         carried = [r for r in carried if r.in_prefill and r.slot >= 0]  # (not preempted)
+        # (A carried chunk's first token takes its logprobs from this step too.)
+        with_logprobs = any(r.params.logprobs is not None
+                            for r in (*occupied.values(), *carried))
         # A step carrying chunks drafts num_steps (their rows are verify_width wide).
         length = self.num_steps if carried else self.draft_policy.choose(batch)
         caught_up = self._catch_up_draft(batch, occupied, length)

@@ -81,12 +81,14 @@ class DecodeState(NamedTuple):
 
 class PrefillOutput(NamedTuple):
     """Per chunk ([L] leading): the token after it, sampled where it ends a new
-    request's prompt (the first generated token), and that token's logprobs."""
+    request's prompt (the first generated token), and that token's logprobs (None when
+    no request of the call asked for logprobs: their top-k is a sort of the whole
+    vocabulary per chunk)."""
 
     token: Array  # [L] i32
-    logprob: Array  # [L] f32
-    top_ids: Array  # [L, MAX_LOGPROBS] i32
-    top_logprobs: Array  # [L, MAX_LOGPROBS] f32
+    logprob: Array | None  # [L] f32
+    top_ids: Array | None  # [L, MAX_LOGPROBS] i32
+    top_logprobs: Array | None  # [L, MAX_LOGPROBS] f32
 
 
 class StepOutput(NamedTuple):
@@ -256,7 +258,7 @@ def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
     prefill = None
     if chunks is not None:
         state, prefill = _finish_chunks(target, None, state, chunks, chunk_hidden, chunk_aux,
-                                        vocab_size=vocab_size)
+                                        vocab_size=vocab_size, with_logprobs=with_logprobs)
     return state, StepOutput(token[:, None], n, zeros, zeros, zeros, *lp, prefill=prefill)
 
 
@@ -388,7 +390,7 @@ def _commit(target, draft, state: DecodeState, batch: int, res, emitted: Array, 
     prefill = None
     if chunks is not None:
         state, prefill = _finish_chunks(target, draft, state, chunks, chunk_hidden, chunk_aux,
-                                        vocab_size=vocab_size)
+                                        vocab_size=vocab_size, with_logprobs=lp[0] is not None)
     return state, StepOutput(res.tokens, n, jnp.where(active, accept, 0), res.num_malformed_q,
                              res.num_fallback, *lp, prefill=prefill)
 
@@ -548,7 +550,8 @@ def _synthetic_verdict(res, draft_tokens: Array, target_logits: Array, u: Array,
 
 
 def prefill_chunks(target, draft, state: DecodeState, chunks: PrefillChunks,
-                   slots: SlotUpdates, *, vocab_size: int) -> tuple[DecodeState, PrefillOutput]:
+                   slots: SlotUpdates, *, vocab_size: int, with_logprobs: bool = False
+                   ) -> tuple[DecodeState, PrefillOutput]:
     """Prefills the next chunk of each of L requests into the pages of their slots, alone
     (a step with no request decoding; else the decode step carries the chunks), after
     the slot changes ``slots`` (``update_slots``: the chunks' own admissions among them,
@@ -565,7 +568,7 @@ def prefill_chunks(target, draft, state: DecodeState, chunks: PrefillChunks,
                  aux_layers=(draft.feature_layers or ()) if draft is not None else ())
     state = state._replace(target_pages=out.cache.pages)
     return _finish_chunks(target, draft, state, chunks, out.hidden, out.aux_hidden,
-                          vocab_size=vocab_size)
+                          vocab_size=vocab_size, with_logprobs=with_logprobs)
 
 
 def _apply_chunk_pages(state: DecodeState, chunks: PrefillChunks | None) -> DecodeState:
@@ -578,7 +581,7 @@ def _apply_chunk_pages(state: DecodeState, chunks: PrefillChunks | None) -> Deco
 
 
 def _finish_chunks(target, draft, state: DecodeState, chunks: PrefillChunks, hidden: Array,
-                   aux_hidden: Array | None, *, vocab_size: int
+                   aux_hidden: Array | None, *, vocab_size: int, with_logprobs: bool
                    ) -> tuple[DecodeState, PrefillOutput]:
     """After the target's forward over the chunks (hidden [L, C, H], aux_hidden [L, C,
     F]): the token after each (sampled where it ends a new request's prompt), the
@@ -593,7 +596,8 @@ def _finish_chunks(target, draft, state: DecodeState, chunks: PrefillChunks, hid
     probs = sampling_probs(logits, SamplingRows(*(x[row] for x in state.sampling)), vocab_size)
     first = sample_from_probs(probs, _uniforms(sub[:, 0], 1)[:, 0])
     following = jnp.where(chunks.sample_next, first, chunks.next_token)
-    lp, top_ids, top_lp = token_logprobs(logits, first, vocab_size)
+    lp, top_ids, top_lp = (token_logprobs(logits, first, vocab_size) if with_logprobs
+                           else (None,) * 3)
 
     def put(x, new):
         return x.at[slot].set(new.astype(x.dtype), mode="drop")
