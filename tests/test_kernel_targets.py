@@ -72,8 +72,9 @@ def test_nvidia_attention_choices_unchanged():
                      ((64, 6, 4, 128, 8, 4096), (32, 64, 1, 4, 2)),
                      ((1, 1, 4, 128, 8, 32768), (16, 64, 64, 4, 2)),
                      ((1, 512, 4, 128, 8, 8192), (64, 64, 1, 8, 2)),
-                     # A 126-token chunk riding in a decode step: 64 programs, < 132 SMs.
-                     ((1, 126, 4, 128, 8, 8704), (64, 64, 8, 8, 2)),
+                     # A 126-token chunk riding in a decode step: 64 programs of 64 rows,
+                     # < 132 SMs: the short-chunk tile (32 rows, 128 keys, 3 stages).
+                     ((1, 126, 4, 128, 8, 8704), (32, 128, 4, 4, 3)),
                      ((8, 6, 8, 256, 8, 8192), (64, 32, 8, 8, 2))]:
     c = cfg(*args, gpu=SM90)
     assert (c.block_q, c.block_n, c.num_splits, c.num_warps, c.num_stages) == want, args
@@ -85,6 +86,11 @@ def test_amd_choices():
     c = attention._block_sizes(64, 6, 4, 128, 8, 8192, gpu=gpu)
     assert (c.block_q, c.block_n, c.num_splits, c.num_warps) == (32, 32, 1, 4)
     assert attention._block_sizes(1, 1, 4, 256, 8, 8192, gpu=gpu).block_n == 16
+    # A short chunk over a long prefix keeps 64-row tiles and splits at 2 x rows (the
+    # NVIDIA short-chunk tile is untimed on AMD).
+    c = attention._block_sizes(1, 126, 4, 128, 8, 8704, gpu=gpu)
+    assert (c.block_q, c.block_n, c.min_split, c.num_splits, c.num_stages) == (
+        64, 32, 1024, 8, 2)
   # LM head: 64-column tiles while 128 gives fewer programs than CUs; stages from LDS.
   assert lm_head._block_sizes(64, 32000, 2, GFX942) == (64, 64, 64, 4, 3)
   assert lm_head._block_sizes(64, 32000, 2, GFX950) == (64, 64, 64, 4, 4)

@@ -267,16 +267,31 @@ def test_heuristic():
   assert (cfg.block_q, cfg.min_split) == (32, 512)
   cfg = bs(1, 512, 4, 128, 8, 8192)
   assert (cfg.block_q, cfg.num_splits) == (64, 1)
-  # A short chunk (126 tokens, 504 rows) over a long table: its 64-row tiles give 64
-  # programs, fewer than the 132 SMs, so its keys split at 2 x rows (1024) instead of
-  # its tiles narrowing: 8 splits bring 512 programs.
+  # A short chunk (126 tokens, 504 rows) over a long table: its 64-row tiles would give
+  # 64 programs, fewer than the 132 SMs, so on NVIDIA it takes 32-row tiles of 128 keys
+  # in 3 stages, and its keys split (4 splits bring 512 programs).
   cfg = bs(1, 126, 4, 128, 8, 8704)
-  assert (cfg.block_q, cfg.min_split, cfg.num_splits) == (64, 1024, 8)
+  assert (cfg.block_q, cfg.block_n, cfg.min_split, cfg.num_splits, cfg.num_warps,
+          cfg.num_stages) == (32, 128, 256, 4, 4, 3)
+  # Explicit settings win over the short chunk's.
+  cfg = bs(1, 126, 4, 128, 8, 8704, block_q=64, block_n=64, num_stages=2)
+  assert (cfg.block_q, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 64, 8, 2)
   for cfg in (bs(3, 5, 3, 80, 2, 1000), bs(1, 1, 1, 256, 1, 1 << 20)):
     for v in (cfg.block_q, cfg.block_n, cfg.block_d, cfg.min_split):
       assert v & (v - 1) == 0
   with pytest.raises(ValueError, match="block_n"):
     bs(1, 1, 4, 128, 8, 4096, block_n=48)
+
+
+def test_short_chunk_over_a_long_prefix():
+  """A prefix-cache hit's shape: one sequence's short chunk (a partial query block) over
+  a prefix several splits long, in the heuristic's short-chunk tiling (NVIDIA: 32-row
+  query tiles, 128-key tiles, 3 stages); the last split ends inside a key tile."""
+  q = jax.ShapeDtypeStruct((1, 64, 8, 32), f32)
+  pages = jax.ShapeDtypeStruct((64, 16, 2, 32), f32)
+  cfg = pa_mod.paged_attention_config(q, pages, jax.ShapeDtypeStruct((1, 64), jnp.int32))
+  assert (cfg.block_q, cfg.block_n, cfg.num_stages) == (32, 128, 3) and cfg.num_splits > 1
+  _run(21, [1000], [57], t=64, n=8, k=2, d=32)
 
 
 def test_splits_follow_the_live_length():

@@ -244,18 +244,27 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   ~8 * T * G * D bytes (float32 write + read) against >= MIN_SPLIT * 2 * D * itemsize
   bytes of K/V, so with MIN_SPLIT >= 16 * T * G they stay below 1/8 of the live KV bytes.
   A prefill chunk's block (T * G >= 256 rows) whose query tiles give fewer programs
-  than the GPU has cores takes MIN_SPLIT = 2 * T * G instead (partials up to 1/2 of the
-  KV bytes): one sequence's short chunk over a long prefix (a chunk riding in a decode
+  than the GPU has cores takes a smaller MIN_SPLIT instead (AMD: 2 * T * G, partials
+  up to 1/2 of the KV bytes; NVIDIA: 256, below): one sequence's short chunk over a long prefix (a chunk riding in a decode
   step, a prefix-cache hit's suffix) is a grid smaller than the GPU whose programs each
-  scan every key, latency-bound, so splits pay for their partials; such a block keeps
-  64-row query tiles (the narrowing above is for tree verifies) and gets its parallelism
-  from splits. H200, 2026-12-02 (``bench_attention.py --only rider,suffix --sweep``, two
-  sweeps): a 128-token chunk over 8192 keys took 0.205-0.259 ms unsplit at 32-row
-  tiles, 0.16-0.19 ms in 2 to 16 splits, 0.141 ms at 64-row tiles in 8 splits (this
-  rule); over 2048 keys every setting measured 0.060-0.086 ms (no setting stands out of
-  the run-to-run spread; this rule: 2 splits). Longer chunks fill the GPU with query
-  tiles and keep the 16x rule; on gfx942 (304 CUs) a 512-token chunk (256 programs)
-  splits too.
+  scan every key, latency-bound, so splits pay for their partials; on AMD such a block
+  keeps 64-row query tiles (the narrowing above is for tree verifies) and gets its
+  parallelism from splits. On NVIDIA it takes 32-row query tiles of 128-key tiles in 3
+  stages, 4 warps, and MIN_SPLIT = 256: each program keeps more key bytes in flight.
+  H200, 2026-12-03 (R = 20 calls in one jit, two rounds, 32 / 8 heads, D = 128, bf16):
+  a 128-token chunk over 8192 keys 155-161 us against 220-223 us in 64-row, 64-key
+  tiles (8 splits of 1024), over 16384 keys 278-281 against 384-392, a prefix-cache
+  hit's 80 live rows over 2112 keys 60-81 against 72-76 us, over 8272 keys 150-158
+  against 168-179 us; in the engine the hit's time to first token fell 0.3-0.6 ms
+  (docs/BENCHMARKS.md, "Issue 14, 2026-12-03, second session"); a 64-token chunk over
+  4096 keys, 66-82 against 65-69 us, gains nothing. From 8192 keys on, 2 stages were
+  5-8% slower and 64-key tiles 14-22%. The tile takes 202 registers and 82 KiB of
+  shared memory on sm_90 without spills (scripts/rocm_compile.py's cubin). On gfx942
+  / gfx950 the 64-key form of that tile (half the keys, as below) compiles without
+  spills in 232-254 VGPRs (2 waves per SIMD, against 3 for the AMD rule's), 3 stages
+  spill SGPRs; unmeasured on an AMD GPU, so AMD keeps its rule. Longer chunks fill the
+  GPU with query tiles and keep the 16x rule; on gfx942 (304 CUs) a 512-token chunk
+  (256 programs) splits too.
   num_splits = the power of two that brings B * K * query tiles up to ~512 programs, but
   no more than the page table's capacity / MIN_SPLIT and 64: decode at B = 1 over a 32k
   table gets 64 splits (512 programs of 512 keys), B = 64 decode with K = 8 none. On the
@@ -277,9 +286,16 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
     while bq > 16 and 64 <= rows < 256 and batch * kv_heads * _common.cdiv(rows, bq) < (
         gpu.num_cores // 2):
       bq //= 2
+  small_chunk = rows >= 256 and batch * kv_heads * _common.cdiv(rows, bq) < gpu.num_cores
+  if small_chunk and gpu.warp_size == 32:
+    # NVIDIA: the short chunk's programs each walk a long key range; 32-row query tiles
+    # over 128-key tiles in 3 stages keep more bytes in flight per program.
+    bq, bn = block_q or 32, block_n or 128
   q_tiles = _common.cdiv(rows, bq)
-  small_chunk = rows >= 256 and batch * kv_heads * q_tiles < gpu.num_cores
-  ms = min_split or max(256, _common.next_power_of_2((2 if small_chunk else 16) * rows))
+  if small_chunk:
+    ms = min_split or (256 if gpu.warp_size == 32 else 2 * _common.next_power_of_2(rows))
+  else:
+    ms = min_split or max(256, _common.next_power_of_2(16 * rows))
   ms = max(ms, bn)
   if num_splits is None:
     programs = batch * kv_heads * q_tiles
@@ -288,7 +304,7 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
     by_capacity = 1 << (by_capacity.bit_length() - 1)  # power of two at most that
     num_splits = max(1, min(want, by_capacity, _MAX_SPLITS))
   warps = num_warps or (4 if bq <= 32 else 8)
-  stages = num_stages or 2
+  stages = num_stages or (3 if small_chunk and gpu.warp_size == 32 else 2)
   for name, v in (("block_q", bq), ("block_n", bn)):
     if v < 16 or v & (v - 1):
       raise ValueError(f"{name}={v} must be a power of two >= 16")
