@@ -245,9 +245,10 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   bytes of K/V, so with MIN_SPLIT >= 16 * T * G they stay below 1/8 of the live KV bytes.
   A prefill chunk's block (T * G >= 256 rows) whose query tiles give fewer programs
   than the GPU has cores takes a smaller MIN_SPLIT instead (AMD: 2 * T * G, partials
-  up to 1/2 of the KV bytes; NVIDIA: 256, below): one sequence's short chunk over a long prefix (a chunk riding in a decode
-  step, a prefix-cache hit's suffix) is a grid smaller than the GPU whose programs each
-  scan every key, latency-bound, so splits pay for their partials; on AMD such a block
+  up to 1/2 of the KV bytes; NVIDIA: 256, below): one sequence's short chunk over a long
+  prefix (a chunk riding in a decode step, a prefix-cache hit's suffix) is a grid
+  smaller than the GPU whose programs each scan every key, latency-bound, so splits pay
+  for their partials; on AMD such a block
   keeps 64-row query tiles (the narrowing above is for tree verifies) and gets its
   parallelism from splits. On NVIDIA it takes 32-row query tiles of 128-key tiles in 3
   stages, 4 warps, and MIN_SPLIT = 256: each program keeps more key bytes in flight.
