@@ -293,11 +293,10 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
     # over 128-key tiles in 3 stages keep more bytes in flight per program.
     bq, bn = block_q or 32, block_n or 128
   q_tiles = _common.cdiv(rows, bq)
-  if small_chunk:
-    ms = min_split or (256 if gpu.warp_size == 32 else 2 * _common.next_power_of_2(rows))
-  else:
-    ms = min_split or max(256, _common.next_power_of_2(16 * rows))
-  ms = max(ms, bn)
+  if min_split is None:
+    min_split = ((256 if gpu.warp_size == 32 else 2 * _common.next_power_of_2(rows))
+                 if small_chunk else max(256, _common.next_power_of_2(16 * rows)))
+  ms = max(min_split, bn)
   if num_splits is None:
     programs = batch * kv_heads * q_tiles
     want = _common.next_power_of_2(_common.cdiv(_TARGET_PROGRAMS, programs))
