@@ -248,10 +248,10 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   up to 1/2 of the KV bytes; NVIDIA: 256, below): one sequence's short chunk over a long
   prefix (a chunk riding in a decode step, a prefix-cache hit's suffix) is a grid
   smaller than the GPU whose programs each scan every key, latency-bound, so splits pay
-  for their partials; on AMD such a block
-  keeps 64-row query tiles (the narrowing above is for tree verifies) and gets its
-  parallelism from splits. On NVIDIA it takes 32-row query tiles of 128-key tiles in 3
-  stages, 4 warps, and MIN_SPLIT = 256: each program keeps more key bytes in flight.
+  for their partials; on AMD such a block keeps 64-row query tiles (the narrowing above
+  is for tree verifies) and gets its parallelism from splits. On NVIDIA it takes 32-row
+  query tiles of 128-key tiles in 3 stages, 4 warps, and MIN_SPLIT = 256: each program
+  keeps more key bytes in flight.
   H200, 2026-12-03 (R = 20 calls in one jit, two rounds, 32 / 8 heads, D = 128, bf16):
   a 128-token chunk over 8192 keys 155-161 us against 220-223 us in 64-row, 64-key
   tiles (8 splits of 1024), over 16384 keys 278-281 against 384-392, a prefix-cache
@@ -293,7 +293,7 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
     # over 128-key tiles in 3 stages keep more bytes in flight per program.
     bq, bn = block_q or 32, block_n or 128
   q_tiles = _common.cdiv(rows, bq)
-  if min_split is None:
+  if not min_split:  # None or 0: the heuristic
     min_split = ((256 if gpu.warp_size == 32 else 2 * _common.next_power_of_2(rows))
                  if small_chunk else max(256, _common.next_power_of_2(16 * rows)))
   ms = max(min_split, bn)
