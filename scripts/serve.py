@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-precompile", action="store_true",
                    help="compile batch buckets lazily instead of at start-up")
+    g.add_argument("--precompile-logprobs", action="store_true",
+                   help="also compile the buckets' logprobs variants at start-up, so that "
+                   "the first request asking for logprobs (lm-eval's loglikelihood tasks) "
+                   "does not stall the running streams while they compile")
     m = p.add_argument_group(
         "multi-host (docs/MULTIHOST.md)",
         "one tensor-parallel engine over the devices of several processes (jax.distributed):"
@@ -211,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             seed=args.seed,
             precompile=not args.no_precompile,
+            precompile_logprobs=args.precompile_logprobs,
             **extra,
         )
     except ValueError as e:  # a flag the engine refuses

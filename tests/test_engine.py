@@ -205,6 +205,43 @@ def test_no_recompilation_after_warmup(engines):
     assert compiles == []
 
 
+@pytest.mark.parametrize("precompile_logprobs", [False, True])
+def test_precompile_logprobs_leaves_nothing_to_compile_for_a_logprobs_request(
+        models, precompile_logprobs):
+    """With ``precompile_logprobs`` the start-up compiles every bucket's logprobs
+    variant too, so a request asking for logprobs (prefill alone, then steps) compiles
+    nothing while serving; without it the same request compiles its variants on first
+    use. Both return the request's logprobs. Asking for it without precompile is a
+    ValueError naming both fields."""
+    compiled = []
+
+    def recording(name, fn, example_args, donate_argnums):
+        compiled.append(name)
+        return jit_compile(name, fn, example_args, donate_argnums)
+
+    engine = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
+                                 **{**BASE, "precompile": True,
+                                    "precompile_logprobs": precompile_logprobs}),
+                    compile_fn=recording)
+    at_start = len(compiled)
+    params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, logprobs=2)
+    engine.add_request("lp", _prompts(1, seed=41)[0], params)
+    tokens, logprobs = [], []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            logprobs += o.new_logprobs or []
+    assert len(tokens) == len(logprobs) == 6
+    late = compiled[at_start:]
+    if precompile_logprobs:
+        assert late == []
+    else:
+        assert "prefill" in late and "step" in late, late
+    with pytest.raises(ValueError, match="precompile_logprobs.*precompile=False"):
+        EngineConfig(model=models["target"], speculative_algorithm="NONE", precompile=False,
+                     precompile_logprobs=True)
+
+
 def test_slot_changes_ride_in_the_next_dispatch(models, engines):
     """Admitting and releasing requests dispatch nothing of their own (each dispatch is
     host time on a request's time to first token): a request reaching an idle engine is

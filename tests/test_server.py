@@ -860,6 +860,27 @@ def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert "embedded default model is not shipped" in err and "--model" in err
 
 
+def test_precompile_logprobs_without_precompile_is_a_clear_error(monkeypatch, capsys):
+    """``--precompile-logprobs`` reaches the engine's configuration, which refuses it
+    beside ``--no-precompile``: serve.py prints why and exits 2 before loading anything."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve", os.path.join(REPO, "scripts",
+                                                                         "serve.py"))
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+
+    def make_engine(config):
+        raise AssertionError(f"serve.py went on to load an engine for {config}")
+
+    import eagle_jax.engine
+
+    monkeypatch.setattr(eagle_jax.engine, "make_engine", make_engine)
+    assert serve.main(["--no-precompile", "--precompile-logprobs"]) == 2
+    err = capsys.readouterr().err
+    assert "precompile_logprobs" in err and "precompile=False" in err
+
+
 # ------------------------------------------------- engine failures (in-process stub)
 class _FlakyEngine:
     """Just enough of the Engine contract; ``step`` raises while ``fail`` is set."""

@@ -82,6 +82,10 @@ class EngineConfig:
       dtype: parameter and activation dtype ("bfloat16" or "float32"); None = the
         backend's default (float32 on a CPU, bfloat16 on a GPU).
       precompile: compile every bucket at start (with a progress bar).
+      precompile_logprobs: with precompile, also compile every bucket's logprobs
+        variant at start. Otherwise the first request that asks for logprobs (as
+        lm-eval's loglikelihood tasks do) compiles them while serving, and every running
+        stream waits for those compiles.
       compilation_cache_dir: JAX persistent compilation cache ("" disables it).
       async_scheduling: dispatch each step before reading the previous one's tokens.
       synthetic_acceptance: benchmarks only: accept each draft token with this
@@ -114,6 +118,7 @@ class EngineConfig:
     dtype: str | None = None
     seed: int = 0
     precompile: bool = True
+    precompile_logprobs: bool = False
     compilation_cache_dir: str = os.path.join(
         os.path.expanduser("~"), ".cache", "eagle_jax", "jax_cache")
     served_model_name: str | None = None
@@ -200,6 +205,9 @@ class EngineConfig:
             raise ValueError("synthetic_acceptance must be in [0, 1]")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.precompile_logprobs and not self.precompile:
+            raise ValueError("precompile_logprobs compiles at start, which precompile=False "
+                             "turns off: drop one of the two")
         for name, one in (("tensor_parallel_size", "device"), ("data_parallel_size", "engine")):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:

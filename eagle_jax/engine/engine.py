@@ -309,6 +309,8 @@ class Engine:
             self.num_pages * self.page_size, self.batch_buckets, self.prefill_buckets)
         if config.precompile:
             self.precompile()
+        if config.precompile_logprobs:
+            self.precompile(with_logprobs=True)
         if len(self.draft_lengths) > 1:
             self._time_draft_lengths()
 
@@ -708,9 +710,10 @@ class Engine:
                                                 for f in step_lib.SLOT_FIELDS})
 
     def precompile(self, with_logprobs: bool = False) -> None:
-        """Compiles every prefill and step bucket ahead of serving, several at once:
-        XLA's compiler runs outside the GIL, so threads overlap the compiles (of an
-        8B-shaped step, ~15 s each on one core) while tracing takes turns."""
+        """Compiles every prefill and step bucket ahead of serving (their variants that
+        compute logprobs ``with_logprobs``), several at once: XLA's compiler runs
+        outside the GIL, so threads overlap the compiles (of an 8B-shaped step, ~15 s
+        each on one core) while tracing takes turns."""
         jobs = [lambda n=n, c=c: self._prefill_fn(n, c, with_logprobs)
                 for n, c in self._prefill_shapes()] + [
             lambda b=b, s=s: self._step_fn(b, with_logprobs, draft_length=s)
@@ -723,7 +726,8 @@ class Engine:
         workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_COMPILE_THREADS))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             done = concurrent.futures.as_completed([pool.submit(job) for job in jobs])
-            for future in tqdm(done, total=len(jobs), desc="compiling buckets", leave=False):
+            desc = "compiling buckets" + (" (logprobs)" if with_logprobs else "")
+            for future in tqdm(done, total=len(jobs), desc=desc, leave=False):
                 future.result()
 
     def _time_draft_lengths(self, repeats: int = 8, context: int = 256) -> None:
