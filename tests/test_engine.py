@@ -242,6 +242,35 @@ def test_precompile_logprobs_leaves_nothing_to_compile_for_a_logprobs_request(
                      precompile_logprobs=True)
 
 
+def test_first_token_returns_before_its_first_decode_step_is_dispatched(models, engines):
+    """A request reaching an idle engine gets its first token from the call that ran its
+    prefill; that call dispatches no decode step (its launch would delay the token), the
+    next call does. Later tokens still equal the target's greedy ones."""
+    calls = []
+
+    def counting(name, fn, example_args, donate_argnums):
+        compiled = jit_compile(name, fn, example_args, donate_argnums)
+
+        def call(*args):
+            calls.append(name)
+            return compiled(*args)
+        return call
+
+    engine = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
+                                 **{**BASE, "precompile": False}), compile_fn=counting)
+    prompt = _prompts(1, seed=43)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    outs = engine.step()
+    assert [len(o.new_token_ids) for o in outs] == [1] and calls == ["prefill"]
+    tokens = outs[0].new_token_ids
+    engine.step()
+    assert "step" in calls
+    while engine.has_unfinished_requests():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert tokens == _run(engines("none"), [(0, "a", prompt, params)])["a"]
+
+
 def test_slot_changes_ride_in_the_next_dispatch(models, engines):
     """Admitting and releasing requests dispatch nothing of their own (each dispatch is
     host time on a request's time to first token): a request reaching an idle engine is

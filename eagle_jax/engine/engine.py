@@ -877,7 +877,8 @@ class Engine:
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Admits waiting requests, runs prefill chunks within the step's token budget and
-        one decode step, returns what each request produced.
+        one decode step (none in a call whose prefills, run alone, sampled first tokens:
+        those are returned at once), returns what each request produced.
 
         With ``async_scheduling`` the step is dispatched before the previous step's
         tokens are read, so the host's bookkeeping overlaps the device's work; a request
@@ -889,6 +890,12 @@ class Engine:
         carried = self._schedule_prefills(outputs)
         occupied = {i: r for i, r in enumerate(self._slots)
                     if r is not None and not r.in_prefill}
+        if any(o.new_token_ids for o in outputs):
+            # Prefills that ran alone (nothing was decoding) sampled first tokens: they
+            # are returned now, and the next call dispatches their first decode step.
+            # Dispatched first, its launch (~3 ms on the H200, docs/BENCHMARKS.md) would
+            # lie on their time to first token, and no running request waits for it.
+            occupied = {}
         launched = self._launch(occupied, carried) if occupied else None
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
