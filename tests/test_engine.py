@@ -54,6 +54,19 @@ def _prompts(n, seed=0, lo=3, hi=40, vocab=300):
     return [[int(t) for t in rng.integers(7, vocab, int(rng.integers(lo, hi)))] for _ in range(n)]
 
 
+def _call_recording(record):
+    """A ``CompileFn`` of ``jit_compile``'s executables whose every call first does
+    ``record(executable name)``."""
+    def compile_fn(name, fn, example_args, donate_argnums):
+        compiled = jit_compile(name, fn, example_args, donate_argnums)
+
+        def call(*args):
+            record(name)
+            return compiled(*args)
+        return call
+    return compile_fn
+
+
 def _run(engine, schedule):
     """schedule: list of (join_step, request_id, prompt, params). Returns id -> tokens."""
     out = {rid: [] for _, rid, _, _ in schedule}
@@ -247,17 +260,9 @@ def test_first_token_returns_before_its_first_decode_step_is_dispatched(models, 
     prefill; that call dispatches no decode step (its launch would delay the token), the
     next call does. Later tokens still equal the target's greedy ones."""
     calls = []
-
-    def counting(name, fn, example_args, donate_argnums):
-        compiled = jit_compile(name, fn, example_args, donate_argnums)
-
-        def call(*args):
-            calls.append(name)
-            return compiled(*args)
-        return call
-
     engine = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
-                                 **{**BASE, "precompile": False}), compile_fn=counting)
+                                 **{**BASE, "precompile": False}),
+                    compile_fn=_call_recording(calls.append))
     prompt = _prompts(1, seed=43)[0]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine.add_request("a", prompt, params)
@@ -278,17 +283,9 @@ def test_slot_changes_ride_in_the_next_dispatch(models, engines):
     while requests decode, a step applies every change since the last one in at most one
     dispatch before it. The outputs stay the target's greedy tokens."""
     calls = collections.Counter()
-
-    def counting(name, fn, example_args, donate_argnums):
-        compiled = jit_compile(name, fn, example_args, donate_argnums)
-
-        def call(*args):
-            calls[name] += 1
-            return compiled(*args)
-        return call
-
     engine = Engine(EngineConfig(model=models["target"], speculative_algorithm="NONE",
-                                 **{**BASE, "precompile": False}), compile_fn=counting)
+                                 **{**BASE, "precompile": False}),
+                    compile_fn=_call_recording(lambda name: calls.update([name])))
     def greedy(n):
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
