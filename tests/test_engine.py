@@ -56,12 +56,12 @@ def _prompts(n, seed=0, lo=3, hi=40, vocab=300):
 
 def _call_recording(record):
     """A ``CompileFn`` of ``jit_compile``'s executables whose every call first does
-    ``record(executable name)``."""
+    ``record(executable name, call arguments)``."""
     def compile_fn(name, fn, example_args, donate_argnums):
         compiled = jit_compile(name, fn, example_args, donate_argnums)
 
         def call(*args):
-            record(name)
+            record(name, args)
             return compiled(*args)
         return call
     return compile_fn
@@ -262,7 +262,7 @@ def test_first_token_returns_before_its_first_decode_step_is_dispatched(models, 
     calls = []
     engine = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
                                  **{**BASE, "precompile": False}),
-                    compile_fn=_call_recording(calls.append))
+                    compile_fn=_call_recording(lambda name, args: calls.append(name)))
     prompt = _prompts(1, seed=43)[0]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine.add_request("a", prompt, params)
@@ -285,7 +285,7 @@ def test_slot_changes_ride_in_the_next_dispatch(models, engines):
     calls = collections.Counter()
     engine = Engine(EngineConfig(model=models["target"], speculative_algorithm="NONE",
                                  **{**BASE, "precompile": False}),
-                    compile_fn=_call_recording(lambda name: calls.update([name])))
+                    compile_fn=_call_recording(lambda name, args: calls.update([name])))
     def greedy(n):
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 

@@ -11,6 +11,8 @@ from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.page_allocator import OutOfPages, PageAllocator, page_hashes, plan_pool
 
+from .test_engine import _call_recording
+
 # --------------------------------------------------------------------------- allocator
 
 
@@ -51,6 +53,9 @@ def test_prefix_cache_matches_shares_and_evicts_least_recently_used():
     keys_a = page_hashes(a, ps)
     assert len(keys_a) == 3 and page_hashes(a[:8], ps) == keys_a[:2]
     assert page_hashes(a, ps, keys_a[:1]) == keys_a  # extended, not recomputed
+    # (from the known keys: the known pages' tokens are not read again)
+    assert page_hashes([0] * ps + a[ps:], ps, keys_a[:1]) == keys_a
+    assert page_hashes([0] * ps + a[ps:], ps) != keys_a
     alloc.reserve(0, 13)
     alloc.register(0, keys_a, a, num_computed=8)  # only positions < 8 are in the pool
     assert alloc.num_cached == 2
@@ -444,18 +449,11 @@ def test_requests_parting_inside_a_cached_page_do_not_wait_for_each_other(models
     the others either. One prefill dispatch carries all three chunks (waiting, each
     was a dispatch of its own, and while requests decode a step of its own: the TTFT
     tail of a shared-prefix load). Tokens equal a run without the prefix cache."""
-    from eagle_jax.engine.engine import jit_compile
-
     prefills = []  # the chunk lengths of each prefill dispatch
 
-    def counting(name, fn, example_args, donate_argnums):
-        compiled = jit_compile(name, fn, example_args, donate_argnums)
-
-        def call(*args):
-            if name == "prefill":
-                prefills.append(sorted(int(n) for n in args[3].length if n))
-            return compiled(*args)
-        return call
+    def record(name, args):
+        if name == "prefill":
+            prefills.append(sorted(int(n) for n in args[3].length if n))
 
     rng = np.random.default_rng(14)
     prefix = [int(t) for t in rng.integers(7, 300, 24)]
@@ -467,7 +465,7 @@ def test_requests_parting_inside_a_cached_page_do_not_wait_for_each_other(models
     engine = Engine(EngineConfig(model=models["target"], draft_model=draft,
                                  speculative_algorithm=algo,
                                  **{**BASE, "max_num_partial_prefills": 4}),
-                    compile_fn=counting)
+                    compile_fn=_call_recording(record))
     _run(engine, first)
     prefills.clear()
     tokens, cached = _run(engine, reqs)
@@ -562,19 +560,12 @@ def test_chunks_of_several_requests_share_one_forward(models, algo):
     to the first's keys, written earlier in the same forward). Every request's tokens
     (greedy, and a seeded sampled one) equal the request run alone, so neither the
     shared forward, the split prompt nor the padding changes anything."""
-    from eagle_jax.engine.engine import jit_compile
-
     carried = []  # per prefill or step dispatch: (name, lengths of its chunks)
 
-    def counting(name, fn, example_args, donate_argnums):
-        compiled = jit_compile(name, fn, example_args, donate_argnums)
-
-        def call(*args):
-            chunks = args[3] if name == "prefill" else args[4] if len(args) > 4 else None
-            if chunks is not None:
-                carried.append((name, [int(n) for n in chunks.length]))
-            return compiled(*args)
-        return call
+    def record(name, args):
+        chunks = args[3] if name == "prefill" else args[4] if len(args) > 4 else None
+        if chunks is not None:
+            carried.append((name, [int(n) for n in chunks.length]))
 
     width = BASE["num_steps"] + 1 if algo == "EAGLE3" else 1
     draft = models["eagle3"] if algo == "EAGLE3" else None
@@ -583,7 +574,7 @@ def test_chunks_of_several_requests_share_one_forward(models, algo):
                           **{**BASE, "max_num_partial_prefills": 4, "max_model_len": 160,
                              "prefill_buckets": (16, 128),
                              "max_num_batched_tokens": 4 * width + 256})
-    engine = Engine(config, compile_fn=counting)
+    engine = Engine(config, compile_fn=_call_recording(record))
     rng = np.random.default_rng(41)
     prompts = [[int(t) for t in rng.integers(7, 300, n)] for n in (10, 14, 30, 6, 9, 13, 100)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

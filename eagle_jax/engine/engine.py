@@ -950,12 +950,13 @@ class Engine:
         becomes last_token)."""
         return len(req.prompt) + max(len(req.output) - 1, 0)
 
-    def _page_keys(self, req: _Request) -> list[bytes]:
+    def _page_keys(self, req: _Request, tokens: list[int] | None = None) -> list[bytes]:
         """The prefix-cache keys of the request's full pages, extended as it grows (its
-        tokens gathered only then: this runs for every prefilling request each step)."""
+        tokens gathered only then, or given as ``tokens`` by a caller that has them:
+        this runs for every prefilling request each step)."""
         if len(req.page_keys) < (len(req.prompt) + len(req.output)) // self.page_size:
-            req.page_keys = page_hashes(self._known_tokens(req), self.page_size,
-                                        req.page_keys)
+            req.page_keys = page_hashes(self._known_tokens(req) if tokens is None else tokens,
+                                        self.page_size, req.page_keys)
         return req.page_keys
 
     def _schedule_prefills(self, outputs) -> list[_Request]:
@@ -1158,7 +1159,7 @@ class Engine:
                 req.slot):
             return
         tokens = self._known_tokens(req)
-        self.page_allocator.register(req.slot, self._page_keys(req), tokens, computed)
+        self.page_allocator.register(req.slot, self._page_keys(req, tokens), tokens, computed)
 
     def _reserve_step_pages(self, occupied: dict[int, _Request]) -> None:
         """Gives every running request the pages the next step may write: positions up

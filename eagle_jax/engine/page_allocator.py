@@ -81,12 +81,17 @@ def page_hashes(tokens, page_size: int, known: list[bytes] = ()) -> list[bytes]:
     """The chained key of every full page of ``tokens``: page i's key digests page i-1's
     key and the page's tokens, so equal keys mean equal prefixes (a 128-bit BLAKE2b: a
     collision would hand one request another's KV, so no 64-bit ``hash``). ``known``:
-    the keys of the first pages, computed before (extended, not recomputed)."""
+    the keys of the first pages, computed before (extended, not recomputed).
+
+    Only the new pages' tokens are converted: a running request extends its keys each
+    time it completes a page, and converting all its tokens then cost ~0.25 ms at 8k
+    tokens, once per page per request, on the host between steps."""
     keys = list(known)
     parent = keys[-1] if keys else b""
-    data = memoryview(np.asarray(tokens, np.int64).tobytes())  # (one conversion, no copies)
+    new = tokens[len(keys) * page_size:len(tokens) // page_size * page_size]
+    data = memoryview(np.asarray(new, np.int64).tobytes())  # (one conversion, no copies)
     step = page_size * 8
-    for i in range(len(keys), len(data) // step):
+    for i in range(len(data) // step):
         digest = hashlib.blake2b(parent, digest_size=16)
         digest.update(data[i * step:(i + 1) * step])
         parent = digest.digest()
