@@ -271,6 +271,8 @@ def main(argv=None):
     ap.add_argument("--compilation-cache", default="/tmp/eagle_jax_bench_cache",
                     help="JAX's persistent cache: engines of the same shapes compile once")
     args = ap.parse_args(argv)
+    if args.ttft_max_tokens < 1:  # before minutes of model set-up, not after
+        ap.error(f"--ttft-max-tokens must be >= 1, got {args.ttft_max_tokens}")
     shape = SMALL if args.small else LLAMA_8B
     dtype = jnp.bfloat16
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
