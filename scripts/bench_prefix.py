@@ -50,6 +50,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eagle_jax import SamplingParams  # noqa: E402
+from eagle_jax.cli import positive_int  # noqa: E402
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
 from eagle_jax.engine.config import DEFAULT_PREFILL_BUCKETS  # noqa: E402
 
@@ -253,7 +254,7 @@ def main(argv=None):
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--ttft-max-tokens", type=int, default=16,
+    ap.add_argument("--ttft-max-tokens", type=positive_int, default=16,
                     help="tokens each timed request asks for (1: it ends at its prefill)")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--stream-tokens", type=int, default=512)
@@ -271,8 +272,6 @@ def main(argv=None):
     ap.add_argument("--compilation-cache", default="/tmp/eagle_jax_bench_cache",
                     help="JAX's persistent cache: engines of the same shapes compile once")
     args = ap.parse_args(argv)
-    if args.ttft_max_tokens < 1:  # before minutes of model set-up, not after
-        ap.error(f"--ttft-max-tokens must be >= 1, got {args.ttft_max_tokens}")
     shape = SMALL if args.small else LLAMA_8B
     dtype = jnp.bfloat16
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)

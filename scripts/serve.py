@@ -22,12 +22,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+from eagle_jax.cli import positive_int  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,12 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-model", default=None, help="checkpoint directory of the draft")
     g.add_argument("--speculative-algorithm", default="EAGLE3",
                    choices=["EAGLE", "EAGLE3", "NONE"], type=str.upper)
-    g.add_argument("--num-steps", type=_positive_int, default=5,
+    g.add_argument("--num-steps", type=positive_int, default=5,
                    help="draft steps per step: a chain's length, a tree's depth")
-    g.add_argument("--speculative-eagle-topk", type=_positive_int, default=1,
+    g.add_argument("--speculative-eagle-topk", type=positive_int, default=1,
                    help="K: 1 drafts a chain (default); K > 1 an EAGLE-2 dynamic tree, "
                         "K children per expanded node (the policy is then fixed)")
-    g.add_argument("--num-draft-tokens", type=_positive_int, default=None,
+    g.add_argument("--num-draft-tokens", type=positive_int, default=None,
                    help="tokens the target verifies per step, the root included: a chain's "
                         "num_steps + 1 (its only value); a tree's root + nodes (default 32, "
                         "at most 1 + K + (num_steps - 1) K^2)")
@@ -64,23 +59,23 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["greedy", "probabilistic"],
                    help="probabilistic: sampled requests draw draft tokens from the draft's "
                         "distribution (greedy requests propose its argmax either way)")
-    g.add_argument("--max-model-len", type=_positive_int, default=None,
+    g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="tokens per request (default: the target's own limit, capped by "
                         "what the KV pool holds; on a CPU by 4096)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=None,
+    g.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="batch slots, requests decoded at once; more wait for KV pages "
                         "(default: 4 on a CPU, 64 on a GPU)")
-    g.add_argument("--page-size", type=_positive_int, default=16,
+    g.add_argument("--page-size", type=positive_int, default=16,
                    help="positions per KV page (a power of two)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="prefill every prompt in full instead of sharing the KV pages of a "
                         "prefix an earlier request computed")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="positions one step computes: the running requests' decode rows "
                         "plus prefill chunks of new prompts (default: 512 on a CPU, 2048 on "
                         "a GPU); a longer prompt is prefilled over several steps while the "
                         "others keep decoding")
-    g.add_argument("--max-num-partial-prefills", type=_positive_int, default=None,
+    g.add_argument("--max-num-partial-prefills", type=positive_int, default=None,
                    help="most requests whose prompt chunks one forward carries (default: 1 "
                         "on a CPU, 16 on a GPU): requests arriving together are prefilled "
                         "with one read of the weights")
@@ -90,17 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-buckets", default=None,
                    help="comma-separated prompt chunk lengths compiled for prefill "
                         "(default: the engine's)")
-    g.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="devices the target is split over (a mesh of the first N local "
                         "devices; default 1); multi-host: every process's devices, e.g. 16 "
                         "for 2 hosts x 8 GPUs")
-    g.add_argument("--data-parallel-size", type=_positive_int, default=1,
+    g.add_argument("--data-parallel-size", type=positive_int, default=1,
                    help="engine replicas behind the server, each over its own "
                         "--tensor-parallel-size devices; requests go to the least loaded "
                         "(default 1)")
     g.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="default: float32 on a CPU, bfloat16 on a GPU")
-    g.add_argument("--kv-cache-memory", type=_positive_int, default=None,
+    g.add_argument("--kv-cache-memory", type=positive_int, default=None,
                    help="KV pool bytes")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="or this share of the free device memory (GPU; default 0.75)")
@@ -119,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "variable (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).")
     m.add_argument("--coordinator-address", default=None,
                    help="host:port where process 0 runs the jax.distributed coordinator")
-    m.add_argument("--num-processes", type=_positive_int, default=None,
+    m.add_argument("--num-processes", type=positive_int, default=None,
                    help="processes in all (one per host)")
     m.add_argument("--process-id", type=int, default=None,
                    help="this process's number, 0 .. --num-processes - 1 (0 serves)")
@@ -132,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (also env EAGLE_JAX_API_KEY)")
     s.add_argument("--max-queue-len", type=int, default=1024,
                    help="waiting requests beyond the slots before answering 503")
-    s.add_argument("--max-body-bytes", type=_positive_int, default=8 << 20)
+    s.add_argument("--max-body-bytes", type=positive_int, default=8 << 20)
     s.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between stats log lines while busy (0: off)")
     s.add_argument("--log-level", default="info",

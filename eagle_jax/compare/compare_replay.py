@@ -49,18 +49,12 @@ import time
 
 import numpy as np
 
+from eagle_jax.cli import positive_int
 from eagle_jax.eval import metrics
 from eagle_jax.eval.models import EXIT_NO_MODEL, ModelsMissing, detect_algorithm, resolve_pair
 
 MODES = ("xla", "eager", "torch-replay")
 DEFAULT_MIN_AGREEMENT = 0.9
-
-
-def _positive(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _int_list(s: str) -> tuple[int, ...]:
@@ -92,19 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default=None,
                    help="prompts from a dataset (evaluate.py formats); default: random ids")
-    g.add_argument("--limit", type=_positive, default=None)
-    g.add_argument("--num-prompts", type=_positive, default=6)
-    g.add_argument("--prompt-len", type=_positive, default=12,
+    g.add_argument("--limit", type=positive_int, default=None)
+    g.add_argument("--num-prompts", type=positive_int, default=6)
+    g.add_argument("--prompt-len", type=positive_int, default=12,
                    help="length of the random prompts (default 12)")
-    g.add_argument("--max-tokens", type=_positive, default=24)
+    g.add_argument("--max-tokens", type=positive_int, default=24)
     g.add_argument("--temperature", type=float, default=1.0,
                    help="temperature of the sampled (odd-index) requests")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--num-steps", type=_positive, default=3)
+    g.add_argument("--num-steps", type=positive_int, default=3)
     g.add_argument("--draft-sample-method", default="probabilistic",
                    choices=("greedy", "probabilistic"))
-    g.add_argument("--batch-size", type=_positive, default=4, help="engine slots")
-    g.add_argument("--max-model-len", type=_positive, default=128)
+    g.add_argument("--batch-size", type=positive_int, default=4, help="engine slots")
+    g.add_argument("--max-model-len", type=positive_int, default=128)
     g.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
     g.add_argument("--batch-buckets", type=_int_list, default=None)
     g.add_argument("--prefill-buckets", type=_int_list, default=None)
@@ -122,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "last token of every step replaced by its successor)")
     g.add_argument("--perturb-scale", type=float, default=0.5,
                    help="relative standard deviation of the weight noise (default 0.5)")
-    g.add_argument("--replay-steps", type=_positive, default=32,
+    g.add_argument("--replay-steps", type=positive_int, default=32,
                    help="decode steps of the torch replay reference")
     g.add_argument("--json", default=None, metavar="PATH")
     return p

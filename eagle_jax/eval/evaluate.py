@@ -39,6 +39,7 @@ import time
 
 from tqdm.auto import tqdm
 
+from eagle_jax.cli import positive_int
 from eagle_jax.eval import metrics
 from eagle_jax.eval.dataset import DatasetError, describe_rule, load_dataset
 from eagle_jax.eval.models import EXIT_NO_MODEL, ModelsMissing, detect_algorithm, resolve_pair
@@ -86,13 +87,6 @@ def _verify_list(s: str) -> list[str]:
     return vals
 
 
-def _positive(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="evaluate.py", description=__doc__,
@@ -110,20 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL ({\"prompt\": text | ids, \"reference\": optional}), a .json "
                         "list, or a directory of text / code files (see --prompt-tokens); "
                         "default: built-in prompts")
-    g.add_argument("--prompt-tokens", type=_positive, default=64,
+    g.add_argument("--prompt-tokens", type=positive_int, default=64,
                    help="directory datasets: prompt tokens per window (default 64)")
-    g.add_argument("--continuation-tokens", type=_positive, default=32,
+    g.add_argument("--continuation-tokens", type=positive_int, default=32,
                    help="directory datasets: reference tokens per window (default 32)")
-    g.add_argument("--windows-per-file", type=_positive, default=None,
+    g.add_argument("--windows-per-file", type=positive_int, default=None,
                    help="directory datasets: keep the first N windows of each file")
-    g.add_argument("--limit", type=_positive, default=None, help="use the first N examples")
+    g.add_argument("--limit", type=positive_int, default=None, help="use the first N examples")
     g = p.add_argument_group("generation and sweep")
-    g.add_argument("--max-tokens", type=_positive, default=None,
+    g.add_argument("--max-tokens", type=positive_int, default=None,
                    help="tokens per request (default: --continuation-tokens for a directory "
                         "dataset, else 32)")
-    g.add_argument("--batch-size", type=_positive, default=8,
+    g.add_argument("--batch-size", type=positive_int, default=8,
                    help="prompts per LLM.generate call (= the engine's max_num_seqs)")
-    g.add_argument("--max-model-len", type=_positive, default=512)
+    g.add_argument("--max-model-len", type=positive_int, default=512)
     g.add_argument("--seed", type=int, default=0,
                    help="engine seed; request i uses seed + i")
     g.add_argument("--num-steps", type=_int_list, default=[5],
@@ -167,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compiled batch buckets (default: the engine's)")
     g.add_argument("--prefill-buckets", type=_int_list, default=None,
                    help="compiled prefill chunk lengths (default: the engine's)")
-    g.add_argument("--tensor-parallel-size", type=_positive, default=1,
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="devices the target is split over (default 1)")
-    g.add_argument("--data-parallel-size", type=_positive, default=1,
+    g.add_argument("--data-parallel-size", type=positive_int, default=1,
                    help="engine replicas, each over --tensor-parallel-size devices; a "
                         "batch's requests are spread over them (default 1)")
     g.add_argument("--compilation-cache-dir", default=None,
