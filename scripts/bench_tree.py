@@ -5,7 +5,8 @@ The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3-shaped draft of bench_engine
 engine times its steps at start-up (``Engine.time_steps``: every row live at
 ``--context`` tokens on pages of its own, steps dispatched back to back, sampled rows,
 so the tree's draws from q and its q rows are all paid for): plain decoding, the chain
-of ``--chain-steps`` and each tree (K, S, N) of ``--trees``.
+of ``--chain-steps`` and each tree (K, S, N) of ``--trees``, verified by each rule of
+``--tree-verify`` (``EngineConfig.tree_verify``; the rules differ only in sampled rows).
 
 Each step is timed twice: every row sampling at temperature 1 (the tree draws its
 children from q and carries q to the sampler) and every row greedy (top-K children, no
@@ -18,6 +19,7 @@ decoding, its physical bound: one read of the weights and of every row's live KV
 step, over the device-to-device copy bandwidth measured in the same run.
 
     python scripts/bench_tree.py [--batch-sizes 1,8,32] [--trees 4x6x32,8x6x64]
+        [--tree-verify traversal,recursive_rejection]
         [--accept-lengths chain=4.23,4x6x32=5.3] [--json PATH] [--small]
 """
 
@@ -54,6 +56,9 @@ def main(argv=None):
     ap.add_argument("--chain-steps", type=int, default=5)
     ap.add_argument("--trees", default="4x6x32,2x6x16,4x5x16,8x6x64",
                     help="K x S x N (N: tokens verified, the root included)")
+    ap.add_argument("--tree-verify", default="traversal",
+                    help="comma-separated rules to time each tree with (names get the rule "
+                         "appended when there are several)")
     ap.add_argument("--accept-lengths", default="",
                     help="name=accept length pairs (chain, or KxSxN), for the estimate")
     ap.add_argument("--context", type=int, default=256)
@@ -66,6 +71,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     trees = [_tree(t) for t in args.trees.split(",") if t]
+    rules = [r for r in args.tree_verify.split(",") if r]
     accept = {k: float(v) for k, v in (kv.split("=") for kv in args.accept_lengths.split(",")
                                        if kv)}
     shape = SMALL if args.small else LLAMA_8B
@@ -89,9 +95,10 @@ def main(argv=None):
     configs = [("plain", dict(speculative_algorithm="NONE"))]
     configs.append(("chain", dict(speculative_algorithm="EAGLE3", draft_model="random",
                                   num_steps=args.chain_steps)))
-    configs += [(f"{k}x{s}x{n}", dict(speculative_algorithm="EAGLE3", draft_model="random",
-                                      num_steps=s, speculative_eagle_topk=k,
-                                      num_draft_tokens=n)) for k, s, n in trees]
+    configs += [(f"{k}x{s}x{n}" + (f" {rule}" if len(rules) > 1 else ""),
+                 dict(speculative_algorithm="EAGLE3", draft_model="random", num_steps=s,
+                      speculative_eagle_topk=k, num_draft_tokens=n, tree_verify=rule))
+                for k, s, n in trees for rule in rules]
     ms = {}
     for name, kw in configs:
         t0 = time.perf_counter()
@@ -131,7 +138,7 @@ def main(argv=None):
         cells = []
         for name, _ in configs:
             t1, t0 = ms[name, b, "sampled"], ms[name, b, "greedy"]
-            acc = 1.0 if name == "plain" else accept.get(name)
+            acc = 1.0 if name == "plain" else accept.get(name.split()[0])
             cells.append(dict(batch=b, config=name, ms_sampled=t1, ms_greedy=t0,
                               vs_chain_sampled=t1 / ms["chain", b, "sampled"],
                               vs_chain_greedy=t0 / ms["chain", b, "greedy"],

@@ -59,6 +59,7 @@ from eagle_jax.kernels.norm_concat import rmsnorm_concat  # noqa: E402
 from eagle_jax.kernels.paged_attention import paged_attention  # noqa: E402
 from eagle_jax.kernels.spec_sampler import speculative_sample  # noqa: E402
 from eagle_jax.kernels.tree_mask import build_tree_mask  # noqa: E402
+from eagle_jax.kernels.traversal_sampler import traversal_sample  # noqa: E402
 from eagle_jax.kernels.tree_sampler import tree_speculative_sample  # noqa: E402
 from eagle_jax.sampling import SamplingRows  # noqa: E402
 
@@ -148,12 +149,17 @@ def _attention(m: ModelShape, target: str, batch: int, tokens: int, table: int,
   return fn, args
 
 
-def _tree_sampler(m: ModelShape, target: str, target_only: bool):
+def _tree_sampler(m: ModelShape, target: str, verify: str):
   k, depth, n = TREE
   b, e, v = BATCH, 1 + (depth - 1) * k, m.vocab
-  fn = lambda tok, par, q, qr, p, g, u, a, ok: tree_speculative_sample(
-      tok, par, q, qr, p, g, u, m.tokenizer_vocab, a, max_depth=depth, draft_probs_ok=ok,
-      target_only=target_only, interpret=False, target=target)
+  if verify == "traversal":  # with the argmax kernel of its greedy rows
+    fn = lambda tok, par, q, qr, p, g, u, a, ok: traversal_sample(
+        tok, par, q, qr, p, g, u, m.tokenizer_vocab, a, max_depth=depth, draft_probs_ok=ok,
+        max_children=k, interpret=False, target=target)
+  else:
+    fn = lambda tok, par, q, qr, p, g, u, a, ok: tree_speculative_sample(
+        tok, par, q, qr, p, g, u, m.tokenizer_vocab, a, max_depth=depth, draft_probs_ok=ok,
+        target_only=verify == "target_only", interpret=False, target=target)
   return fn, [S((b, n), i32), S((b, n), i32), S((b, e, v), f32), S((b, n), i32),
               S((b, n, v), f32), S((b,), jnp.bool_), S((b, n + 1), f32), S((b,), jnp.bool_),
               S((b, e), jnp.bool_)]
@@ -196,9 +202,12 @@ CASES = {
     f"attention tree verify T={TREE[2]}, B={BATCH}":
         lambda m, t: _attention(m, t, BATCH, TREE[2], TABLE, tree=True),
     f"attention draft tree level, K={TREE[0]}, B={BATCH}": _attention_draft_level,
-    f"tree sampler, real q, N={TREE[2]}, B={BATCH}": lambda m, t: _tree_sampler(m, t, False),
+    f"tree sampler, traversal, N={TREE[2]}, B={BATCH}":
+        lambda m, t: _tree_sampler(m, t, "traversal"),
+    f"tree sampler, real q, N={TREE[2]}, B={BATCH}":
+        lambda m, t: _tree_sampler(m, t, "recursive_rejection"),
     f"tree sampler, target-only, N={TREE[2]}, B={BATCH}":
-        lambda m, t: _tree_sampler(m, t, True),
+        lambda m, t: _tree_sampler(m, t, "target_only"),
     f"tree mask, N={TREE[2]}, B={BATCH}": _tree_mask,
     f"attention prefill chunk {PREFILL}, B=1": lambda m, t: _attention(m, t, 1, PREFILL, TABLE),
     f"attention decode, B=1, {LONG} tokens (split-K)": lambda m, t: _attention(m, t, 1, 1, LONG),

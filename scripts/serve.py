@@ -26,6 +26,8 @@ from eagle_jax.cli import positive_int  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from eagle_jax.engine.config import TREE_VERIFY_METHODS
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and engine")
@@ -44,10 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "num_steps + 1 (its only value); a tree's root + nodes (default 32, "
                         "at most 1 + K + (num_steps - 1) K^2)")
     g.add_argument("--tree-verify", default="recursive_rejection",
-                   choices=["recursive_rejection", "target_only"],
-                   help="trees: how sampled requests are verified: recursive_rejection (the "
-                        "draft's real q, exact; default) or target_only (SGLang's rule); "
-                        "greedy requests take the target's argmax path either way")
+                   choices=list(TREE_VERIFY_METHODS),
+                   help="trees: how sampled requests are verified, all exact: "
+                        "recursive_rejection (the draft's real q, token by token; default), "
+                        "traversal (the same trees, whole paths at once: more tokens "
+                        "accepted, a slower sampler) or target_only (SGLang's rule); greedy "
+                        "requests take the target's argmax path")
     g.add_argument("--speculative-policy", default=None, choices=["adaptive", "fixed"],
                    help="adaptive: each step drafts the length (of --speculative-draft-lengths)"
                         " with the most expected committed tokens per second; fixed: every "

@@ -1,7 +1,9 @@
 """The draft tree the engine builds (``eagle_jax.engine.draft_tree``), verified by the
-tree sampler: the first two committed tokens follow the target's filtered distribution
-exactly, for the trees the engine really drafts (children drawn without replacement,
-chosen level by level), and EAGLE-2's global rerank applied to sampled rows does not.
+engine's two real-q tree samplers (Traversal Verification, ``traversal_sampler``, and
+recursive rejection sampling, ``tree_sampler``): the first two committed tokens follow
+the target's filtered distribution exactly, for the trees the engine really drafts
+(children drawn without replacement, chosen level by level), and EAGLE-2's global rerank
+applied to sampled rows does not.
 
 The models are first-order Markov chains over a small vocabulary: the draft's logits at a
 node are a row of log q chosen by the node's token, the target's a row of log p. The
@@ -20,6 +22,7 @@ import pytest
 
 from eagle_jax.engine.draft_tree import _children, build_draft_tree, frontier_sizes, level_widths
 from eagle_jax.kernels.filters import sampling_probs
+from eagle_jax.kernels.traversal_sampler import traversal_sample
 from eagle_jax.kernels.tree_sampler import tree_speculative_sample_reference
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
 from eagle_jax.testutil.stats import chi2_pvalue
@@ -51,8 +54,12 @@ def _chains(seed):
     return rng.standard_normal((V, V)) * 1.3, rng.standard_normal((V, V)) * 1.3
 
 
-@functools.partial(jax.jit, static_argnames=("rerank",))
-def _verify_step(key, roots, log_p, log_q, rows, rerank):
+SAMPLERS = {"traversal": traversal_sample,
+            "recursive_rejection": tree_speculative_sample_reference}
+
+
+@functools.partial(jax.jit, static_argnames=("rerank", "verify"))
+def _verify_step(key, roots, log_p, log_q, rows, rerank, verify):
     """One tree step per row from root tokens [n]: (tokens [n, S+1], accept_len [n])."""
     n = roots.shape[0]
     draft = MarkovDraft(log_q)
@@ -64,7 +71,7 @@ def _verify_step(key, roots, log_p, log_q, rows, rerank):
         _eagle2_rerank_sampled_rows=rerank)
     tokens = tree.tokens.at[:, 0].set(roots)
     p = sampling_probs(jnp.asarray(log_p, jnp.float32)[tokens], rows)
-    out = tree_speculative_sample_reference(
+    out = SAMPLERS[verify](
         tokens, tree.parents, tree.draft_probs, tree.q_row, p, rows.top_k <= 1,
         jax.random.uniform(k_accept, (n, N + 2)), V, max_depth=S,
         draft_probs_ok=tree.draft_probs_ok)
@@ -77,36 +84,39 @@ def _filtered(log_p, temperature, top_k, top_p):
     return np.asarray(sampling_probs(jnp.asarray(log_p, jnp.float32), rows), np.float64)
 
 
-def _two_tokens(log_p, log_q, temperature, top_k, top_p, *, rerank=False, seed=0):
+def _two_tokens(log_p, log_q, temperature, top_k, top_p, verify, *, rerank=False, seed=0):
     rows = SamplingRows(*(jnp.full((N_STAT,), x, dt) for x, dt in (
         (temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32),
         (0.0, jnp.float32))))
     key1, key2 = jax.random.split(jax.random.key(seed))
     roots = jnp.full((N_STAT,), ROOT, jnp.int32)
-    tok1, acc1 = _verify_step(jax.random.key_data(key1), roots, log_p, log_q, rows, rerank)
+    tok1, acc1 = _verify_step(jax.random.key_data(key1), roots, log_p, log_q, rows, rerank,
+                              verify)
     first = tok1[:, 0]
-    tok2, _ = _verify_step(jax.random.key_data(key2), first, log_p, log_q, rows, rerank)
+    tok2, _ = _verify_step(jax.random.key_data(key2), first, log_p, log_q, rows, rerank, verify)
     second = jnp.where(acc1 >= 1, tok1[:, 1], tok2[:, 0])
     counts = np.zeros((V, V), np.int64)
     np.add.at(counts, (np.asarray(first), np.asarray(second)), 1)
     return counts, np.asarray(acc1)
 
 
+@pytest.mark.parametrize("verify", sorted(SAMPLERS))
 @pytest.mark.parametrize("temperature, top_k, top_p", [
     (1.0, TOP_K_ALL, 1.0), (0.7, 3, 1.0), (1.0, TOP_K_ALL, 0.8)])
-def test_first_two_tokens_follow_the_target(temperature, top_k, top_p):
+def test_first_two_tokens_follow_the_target(temperature, top_k, top_p, verify):
     log_p, log_q = _chains(7)
-    counts, acc = _two_tokens(log_p, log_q, temperature, top_k, top_p)
+    counts, acc = _two_tokens(log_p, log_q, temperature, top_k, top_p, verify)
     p = _filtered(log_p, temperature, top_k, top_p)
     assert chi2_pvalue(counts, p[ROOT][:, None] * p) > ALPHA
     assert np.mean(acc >= 2) > 0.1  # paths reach the levels that the ranking cut
 
 
-def test_eagle2_rerank_of_sampled_rows_is_biased():
+@pytest.mark.parametrize("verify", sorted(SAMPLERS))
+def test_eagle2_rerank_of_sampled_rows_is_biased(verify):
     """Choosing sampled rows' nodes by their own cumulative q (EAGLE-2's rerank) lets a
     child's own token decide whether it is tested: the same test must fail."""
     log_p, log_q = _chains(7)
-    counts, _ = _two_tokens(log_p, log_q, 1.0, TOP_K_ALL, 1.0, rerank=True)
+    counts, _ = _two_tokens(log_p, log_q, 1.0, TOP_K_ALL, 1.0, verify, rerank=True)
     p = _filtered(log_p, 1.0, TOP_K_ALL, 1.0)
     assert chi2_pvalue(counts, p[ROOT][:, None] * p) < ALPHA
 

@@ -55,13 +55,15 @@ def test_spec_step_exports_with_triton_kernels(engine, platform, target):
 
 @pytest.mark.parametrize("platform, target", [("rocm", "gfx950"), ("cuda", "sm_90")])
 def test_tree_step_exports_with_triton_kernels(checkpoints, platform, target):
-    engine = _engine(checkpoints, speculative_eagle_topk=4, num_draft_tokens=16)
+    engine = _engine(checkpoints, speculative_eagle_topk=4, num_draft_tokens=16,
+                     tree_verify="traversal")
     text = _export_step(engine, platform, target).mlir_module()
     # Paged attention (draft levels 2..S, verify, extend), fused norm-concat (each draft
-    # forward), tree mask, tree sampler, gathered LM head (extend).
+    # forward), tree mask, the traversal sampler and its greedy rows' argmax walk
+    # (``tree_sampler``, the other rules' kernel), gathered LM head (extend).
     calls = text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}")
-    assert calls >= 2 + 1 + 3 + 1 + 1 + 1, calls
-    for name in ("tree_mask", "tree_sampler"):
+    assert calls >= 2 + 1 + 3 + 1 + 2 + 1, calls
+    for name in ("tree_mask", "traversal_sampler", "tree_sampler"):
         assert name in text, name
 
 

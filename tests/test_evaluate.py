@@ -193,12 +193,15 @@ def test_missing_default_pair_exits_2(monkeypatch, tmp_path, capsys):
 
 
 def test_tree_settings_in_the_sweep(pair, tmp_path):
-    """A tree (K = 2, depth 3, N = 6 tokens verified per step) through the sweep: the
-    report names it and counts its accept lengths per depth, as for a chain of 3."""
+    """A tree (K = 2, depth 3, N = 6 tokens verified per step), verified by Traversal
+    Verification (the engine's other real-q rule, which ``test_engine.py``'s trees do not
+    take), through the sweep: the report names it and counts its accept lengths per
+    depth, as for a chain of 3."""
     out = tmp_path / "report.json"
     rc = ev.main([
         "--model", pair["target"], "--draft-model", pair["draft"], "--dataset", pair["data"],
         "--num-steps", "3", "--speculative-eagle-topk", "2", "--num-draft-tokens", "6",
+        "--tree-verify", "traversal",
         "--temperature", "0,1", "--batch-size", "3", "--batch-buckets", "3",
         "--prefill-buckets", "32", "--max-model-len", "64", "--max-tokens", "10",
         "--seed", "3", "--compilation-cache-dir", "", "--json", str(out), "--no-progress"])
@@ -206,12 +209,12 @@ def test_tree_settings_in_the_sweep(pair, tmp_path):
     rep = json.loads(out.read_text())
     assert rep["config"]["speculative_eagle_topk"] == [2]
     assert rep["config"]["num_draft_tokens"] == [6]
-    assert rep["config"]["tree_verify"] == ["recursive_rejection"]
-    assert [r["label"] for r in rep["runs"]] == ["S=3 K=2 N=6 T=0 recursive_rejection",
-                                                 "S=3 K=2 N=6 T=1 recursive_rejection"]
+    assert rep["config"]["tree_verify"] == ["traversal"]
+    assert [r["label"] for r in rep["runs"]] == ["S=3 K=2 N=6 T=0 traversal",
+                                                 "S=3 K=2 N=6 T=1 traversal"]
     for r in rep["runs"]:
         assert (r["topk"], r["num_verify_tokens"], r["tree_verify"]) == (
-            2, 6, "recursive_rejection")
+            2, 6, "traversal")
         assert r["draft_sample_method"] is None and r["num_steps"] == 3
         # A tree of depth 3 commits 1 .. 4 tokens per request-step, counted per depth;
         # each request-step drafted the tree's N - 1 = 5 nodes.
@@ -230,7 +233,7 @@ def test_tree_settings_in_the_sweep(pair, tmp_path):
     assert rep["runs"][0]["greedy_identical"] == {"identical": 5, "total": 5}
     table = ev.format_table(rep)
     assert table.splitlines()[0].split()[:5] == ["setting", "K", "N", "tree", "verify"]
-    assert "S=3 K=2 N=6 T=1 recursive_rejection  2  6  recursive_rejection" in table
+    assert "S=3 K=2 N=6 T=1 traversal  2  6  traversal" in table
 
 
 def test_sweep_settings():

@@ -13,6 +13,7 @@ from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
 from eagle_jax.kernels.tree_sampler import (
     PAD_TOKEN, TreeSamplerOutput, tree_speculative_sample, tree_speculative_sample_reference)
 from eagle_jax.testutil.stats import chi2_pvalue
+from eagle_jax.testutil.trees import check_tree_output, random_tree_inputs
 
 # Chi-square / z tests: false-alarm rate alpha = 1e-3 per statistic (p-value from the
 # regularised upper incomplete gamma function, scipy is not installed).
@@ -23,64 +24,6 @@ Z_CRIT = 3.29  # two-sided normal quantile for alpha = 1e-3
 # --------------------------------------------------------------------------------------
 # Random trees (structure / guard tests).
 # --------------------------------------------------------------------------------------
-
-
-def _random_inputs(seed, batch, num_nodes, num_cols, vocab, max_depth):
-  """Random trees of N = num_nodes draft nodes with depth <= max_depth, absent nodes,
-  random q / p, mixed greedy and sampling rows, inactive rows."""
-  rng = np.random.default_rng(seed)
-  n1 = num_nodes + 1
-  parents = np.full((batch, n1), -1, np.int32)
-  depth = np.zeros((batch, n1), np.int32)
-  for b in range(batch):
-    for i in range(1, n1):
-      cands = [j for j in range(i) if (j == 0 or parents[b, j] >= 0) and depth[b, j] < max_depth]
-      if rng.uniform() < 0.15 or not cands:
-        parents[b, i] = -1 - rng.integers(3)  # absent
-        continue
-      parents[b, i] = rng.choice(cands)
-      depth[b, i] = depth[b, parents[b, i]] + 1
-  p = rng.dirichlet(np.full(num_cols, 0.5), size=(batch, n1)).astype(np.float32)
-  num_rows = n1  # one q row per node (row j: the q of node j's children)
-  q = rng.dirichlet(np.full(num_cols, 0.5), size=(batch, num_rows)).astype(np.float32)
-  q_row = np.where(parents >= 0, parents, 0).astype(np.int32)
-  tokens = np.zeros((batch, n1), np.int32)
-  for b in range(batch):
-    for i in range(1, n1):
-      if parents[b, i] < 0:
-        tokens[b, i] = rng.integers(num_cols)
-        continue
-      # Half the time the argmax of the target after the parent, so greedy rows accept.
-      if rng.uniform() < 0.5:
-        tokens[b, i] = np.argmax(p[b, parents[b, i], :vocab])
-      else:
-        tokens[b, i] = rng.choice(num_cols, p=q[b, q_row[b, i]] / q[b, q_row[b, i]].sum())
-  greedy = rng.uniform(size=batch) < 0.4
-  u = rng.uniform(size=(batch, n1 + 1)).astype(np.float32)
-  active = rng.uniform(size=batch) < 0.85
-  active[0] = True
-  return tokens, parents, q, q_row, p, greedy, u, active
-
-
-def _check_structure(out, tokens, parents, vocab, active, max_depth):
-  out_tok, path = np.asarray(out.tokens), np.asarray(out.path)
-  acc, num = np.asarray(out.accept_len), np.asarray(out.num_tokens)
-  assert out_tok.shape == path.shape == (tokens.shape[0], max_depth + 1)
-  for b in range(tokens.shape[0]):
-    if not active[b]:
-      assert np.all(out_tok[b] == PAD_TOKEN) and np.all(path[b] == PAD_TOKEN)
-      assert num[b] == 0 and acc[b] == 0
-      assert out.num_malformed_q[b] == 0 and out.num_fallback[b] == 0
-      continue
-    a = acc[b]
-    assert num[b] == a + 1 and 0 <= a <= max_depth
-    assert path[b, 0] == 0
-    for j in range(a):
-      node = path[b, j + 1]
-      assert node > 0 and parents[b, node] == path[b, j]
-      assert out_tok[b, j] == tokens[b, node]
-    assert 0 <= out_tok[b, a] < vocab
-    assert np.all(out_tok[b, a + 1:] == PAD_TOKEN) and np.all(path[b, a + 1:] == PAD_TOKEN)
 
 
 def _check_against_reference(out, ref):
@@ -104,14 +47,14 @@ def test_random_trees_kernel_matches_reference(
   """The public function (the Pallas kernel, interpreted on a CPU) against the
   reference: random parents, absent nodes, duplicate siblings, random q / p, greedy and
   sampling rows mixed, inactive rows, padding columns, several vocabulary blocks."""
-  tokens, parents, q, q_row, p, greedy, u, active = _random_inputs(
+  tokens, parents, q, q_row, p, greedy, u, active = random_tree_inputs(
       seed, batch, num_nodes, num_cols, vocab, max_depth)
   args = (tokens, parents, q, q_row, p, greedy, u, vocab, active)
   out = tree_speculative_sample(*args, max_depth=max_depth, target_only=target_only,
                                 block_v=block)
   ref = tree_speculative_sample_reference(*args, max_depth=max_depth, target_only=target_only)
   _check_against_reference(out, ref)
-  _check_structure(out, tokens, parents, vocab, active, max_depth)
+  check_tree_output(out, tokens, parents, vocab, active, max_depth)
   # Duplicate siblings (q'(x) = 0) are the only malformed candidates here.
   assert np.all(np.asarray(out.num_malformed_q)[greedy] == 0)
   assert np.all(np.asarray(out.num_fallback) == 0)
@@ -119,7 +62,7 @@ def test_random_trees_kernel_matches_reference(
 
 def test_greedy_rows_follow_argmax_chain():
   batch, num_nodes, vocab, max_depth = 12, 8, 16, 3
-  tokens, parents, q, q_row, p, _, u, active = _random_inputs(7, batch, num_nodes, vocab, vocab, max_depth)
+  tokens, parents, q, q_row, p, _, u, active = random_tree_inputs(7, batch, num_nodes, vocab, vocab, max_depth)
   greedy = np.ones(batch, bool)
   out = tree_speculative_sample(tokens, parents, q, q_row, p, greedy, u, vocab, active,
                                 max_depth=max_depth)
@@ -166,7 +109,7 @@ def test_node_outcomes_and_walk_match_reference(monkeypatch, target_only):
   output buffer held (Pallas' interpreter starts int32 outputs at int32 min): in range
   where the walk can arrive, (-1, PAD, 0, 0) where it cannot."""
   batch, num_nodes, num_cols, vocab, max_depth, block = 10, 12, 16, 14, 2, 4
-  tokens, parents, q, q_row, p, greedy, u, active = _random_inputs(
+  tokens, parents, q, q_row, p, greedy, u, active = random_tree_inputs(
       21, batch, num_nodes, num_cols, vocab, max_depth + 2)
   greedy[:] = False
   greedy[[0, 5]] = True
@@ -189,7 +132,7 @@ def test_node_outcomes_and_walk_match_reference(monkeypatch, target_only):
   ref = tree_speculative_sample_reference(*args, **kwargs)
   for name in TreeSamplerOutput._fields:
     np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=name)
-  _check_structure(out, tokens, parents, vocab, active, max_depth)
+  check_tree_output(out, tokens, parents, vocab, active, max_depth)
 
   depth = _depths(parents)
   acc = np.asarray(out.accept_len)
@@ -407,7 +350,7 @@ def test_first_step_acceptance_matches_analytic():
 
 def test_fault_injection_never_emits_invalid_ids():
   batch, num_nodes, num_cols, vocab, max_depth = 12, 8, 16, 12, 3
-  tokens, parents, q, q_row, p, greedy, u, active = _random_inputs(
+  tokens, parents, q, q_row, p, greedy, u, active = random_tree_inputs(
       9, batch, num_nodes, num_cols, vocab, max_depth)
   active[:] = True
   greedy[:] = False
@@ -436,12 +379,12 @@ def test_fault_injection_never_emits_invalid_ids():
   assert np.all(mal[[0, 1, 2, 3, 4, 5, 6]] > 0) and mal[7] == 0
   assert out.num_fallback[9] == 1
   # Sampling rows whose p has no mass still draw with the final coin.
-  _check_structure(out, tokens, parents, vocab, active, max_depth)
+  check_tree_output(out, tokens, parents, vocab, active, max_depth)
 
 
 def test_malformed_row_rejected_and_counted():
   batch, num_nodes, vocab, max_depth = 6, 6, 8, 2
-  tokens, parents, q, q_row, p, greedy, u, active = _random_inputs(
+  tokens, parents, q, q_row, p, greedy, u, active = random_tree_inputs(
       10, batch, num_nodes, vocab, vocab, max_depth)
   active[:], greedy[:] = True, False
   u[:] = 0.0  # any well-formed candidate with p(x) > 0 would be accepted

@@ -8,7 +8,7 @@ import os
 ALGORITHMS = ("EAGLE", "EAGLE3", "NONE")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
-TREE_VERIFY_METHODS = ("recursive_rejection", "target_only")
+TREE_VERIFY_METHODS = ("recursive_rejection", "traversal", "target_only")
 DEFAULT_TREE_TOKENS = 32
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -30,10 +30,13 @@ class EngineConfig:
         committed token) included: S + 1 for chains (None derives it); for trees the
         root and num_draft_tokens - 1 drafted nodes (None: 32, SGLang's usual choice),
         at most 1 + K + (S-1) K^2 (the candidates there are).
-      tree_verify: how a tree's sampled rows are verified: "recursive_rejection" (the
-        draft's real q, children drawn without replacement; exact) or "target_only"
-        (SGLang's rule over the draft's top-K children, also exact; the baseline).
-        Greedy rows take the target's argmax path either way.
+      tree_verify: how a tree's sampled rows are verified, all exact:
+        "recursive_rejection" (the draft's real q, children drawn without replacement,
+        token by token: ``tree_sampler.py``), "traversal" (the same trees, whole paths
+        accepted at once, leaves first: Traversal Verification, ``traversal_sampler.py``;
+        more tokens accepted, a slower sampler on the GPU for now: docs/BENCHMARKS.md) or
+        "target_only" (SGLang's rule over the draft's top-K children; the baseline).
+        Greedy rows take the target's argmax path in every case.
       speculative_policy: "adaptive" chooses each step's draft length among
         ``draft_lengths`` for the most expected committed tokens per second (each
         variant timed at start-up, acceptance estimated while serving:

@@ -532,7 +532,7 @@ class Engine:
                 return step_lib.tree_spec_step(
                     target, _merge(dg, draft_params), state, page_updates, batch=batch,
                     num_steps=length, topk=self.tree_topk, num_nodes=self.verify_width - 1,
-                    target_only=cfg.tree_verify == "target_only", vocab_size=self.vocab_size,
+                    tree_verify=cfg.tree_verify, vocab_size=self.vocab_size,
                     with_logprobs=with_logprobs, chunks=chunks)
             return step_lib.spec_step(
                 target, _merge(dg, draft_params), state, page_updates, batch=batch,

@@ -41,6 +41,7 @@ from eagle_jax.engine.draft_tree import build_draft_tree
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
 from eagle_jax.kernels.spec_sampler import SamplerOutput, speculative_sample
+from eagle_jax.kernels.traversal_sampler import traversal_sample
 from eagle_jax.kernels.tree_sampler import tree_speculative_sample
 from eagle_jax.models.draft_ops import draft_decode_step, draft_extend
 from eagle_jax.models.layers import KVCache, KVPages, TreeLayout
@@ -396,12 +397,12 @@ def _commit(target, draft, state: DecodeState, batch: int, res, emitted: Array, 
 
 
 def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: int,
-                   num_steps: int, topk: int, num_nodes: int, target_only: bool,
+                   num_steps: int, topk: int, num_nodes: int, tree_verify: str,
                    vocab_size: int, with_logprobs: bool, chunks: PrefillChunks | None = None,
                    ) -> tuple[DecodeState, StepOutput]:
     """Draft a tree, verify its nodes in one forward, accept a path, move its KV, extend
     the draft, commit (EAGLE-2 dynamic trees: ``draft_tree.py`` builds the tree,
-    ``tree_sampler.py`` verifies it).
+    ``traversal_sampler.py`` or ``tree_sampler.py`` verifies it).
 
     The tree has ``num_nodes`` nodes below the root (the last committed token), at most
     ``num_steps`` deep, ``topk`` children per expanded node. The target scores root and
@@ -409,12 +410,13 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
     seq_len + its depth and attending to its ancestors only; after the verdict the
     accepted nodes' keys and values move to positions seq_len + 1 .., the rest are left
     as scratch above the sequence (never read: attention stops at seq_len). Sampling
-    rows are verified with the draft's real q (recursive rejection sampling), or with
-    SGLang's target-only rule when ``target_only``; greedy rows take the target's
-    argmax path. With ``chunks``, prompt chunks ride in the verify forward in rows of
+    rows are verified as ``tree_verify`` says (``EngineConfig``: with the draft's real q
+    by Traversal Verification or recursive rejection sampling, or by SGLang's
+    target-only rule); greedy rows take the target's argmax path. With ``chunks``, prompt chunks ride in the verify forward in rows of
     num_nodes + 1 positions, as in ``spec_step``.
     """
     S, K, N = num_steps, topk, num_nodes
+    target_only = tree_verify == "target_only"
     state = _apply_chunk_pages(apply_page_updates(state, page_updates), chunks)
     seq_len, last, rows, keys, active = _rows(state, batch)
     keys, sub = _split_keys(keys, 2)
@@ -436,10 +438,17 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
     features = aux if draft.feature_layers else hidden
 
     # 3. Accept a path (Pallas tree sampler).
-    res = tree_speculative_sample(
-        verify_tokens, tree.parents, tree.draft_probs, tree.q_row,
-        sampling_probs(target_logits, rows, vocab_size), rows.is_greedy, u_accept, vocab_size,
-        active, max_depth=S, draft_probs_ok=tree.draft_probs_ok, target_only=target_only)
+    target_probs = sampling_probs(target_logits, rows, vocab_size)
+    if tree_verify == "traversal":
+        res = traversal_sample(
+            verify_tokens, tree.parents, tree.draft_probs, tree.q_row, target_probs,
+            rows.is_greedy, u_accept, vocab_size, active, max_depth=S,
+            draft_probs_ok=tree.draft_probs_ok, max_children=K)
+    else:
+        res = tree_speculative_sample(
+            verify_tokens, tree.parents, tree.draft_probs, tree.q_row, target_probs,
+            rows.is_greedy, u_accept, vocab_size, active, max_depth=S,
+            draft_probs_ok=tree.draft_probs_ok, target_only=target_only)
     accept = res.accept_len
     path = jnp.maximum(res.path, 0)  # [B, S + 1] node indices, root first
     emitted = jnp.take_along_axis(res.tokens, accept[:, None], axis=1)[:, 0]

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probabilistic (the engine's default) and/or greedy, "
                         "comma-separated sweep; chains only: a tree draws its nodes as "
                         "its --tree-verify rule needs (the draft's top K, or without "
-                        "replacement from q for recursive_rejection's sampled rows), so "
+                        "replacement from q for the real-q rules' sampled rows), so "
                         "trees are not run once per method")
     g.add_argument("--speculative-eagle-topk", type=_int_list, default=[1],
                    help="K, comma-separated sweep (default 1): 1 runs chains (each "
@@ -144,9 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafted nodes), comma-separated sweep; default: the engine's (32, or "
                         "1 + K + (S-1) K^2 if fewer). Chains always verify S + 1")
     g.add_argument("--tree-verify", type=_verify_list, default=["recursive_rejection"],
-                   help="trees: recursive_rejection (the draft's real q; default) and/or "
-                        "target_only (SGLang's rule, the baseline), comma-separated sweep; "
-                        "greedy rows take the target's argmax path either way")
+                   help="trees: recursive_rejection (the draft's real q, token by token; "
+                        "default), traversal (real q, whole paths) and/or target_only "
+                        "(SGLang's rule, the baseline), comma-separated sweep; greedy rows "
+                        "take the target's argmax path in every case")
     g.add_argument("--speculative-policy", default="fixed", choices=("fixed", "adaptive"),
                    help="fixed (default: every step drafts S, the accept length of S is "
                         "measured) or adaptive (the engine picks each step's length; the "
