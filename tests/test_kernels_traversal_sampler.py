@@ -12,7 +12,8 @@ from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
 from eagle_jax.kernels.traversal_sampler import traversal_sample, traversal_sample_reference
 from eagle_jax.kernels.tree_sampler import tree_speculative_sample
 from eagle_jax.testutil.stats import chi2_pvalue
-from eagle_jax.testutil.trees import check_tree_output, random_tree_inputs
+from eagle_jax.testutil.trees import (
+    check_flagged_rows, check_poisoned_rows, check_tree_output, random_tree_inputs)
 
 ALPHA = 1e-3  # false-alarm rate of each goodness-of-fit test
 
@@ -165,48 +166,11 @@ def test_kernel_matches_reference_on_a_fixed_tree():
 
 
 def test_fault_injection_never_emits_invalid_ids():
-  batch, num_nodes, num_cols, vocab, max_depth = 12, 8, 16, 12, 3
-  tokens, parents, q, q_row, p, greedy, u, active = random_tree_inputs(
-      9, batch, num_nodes, num_cols, vocab, max_depth)
-  active[:] = True
-  greedy[:] = False
-  greedy[10:] = True
-  # q poisoned at the drawn token (rows 0-5: NaN, +inf, -inf, 0, -0.5, 1.5), or everywhere.
-  for b, bad in enumerate([np.nan, np.inf, -np.inf, 0.0, -0.5, 1.5]):
-    for i in range(1, num_nodes + 1):
-      q[b, q_row[b, i], tokens[b, i]] = bad
-  q[6] = -np.inf  # a recycled -inf buffer
-  tokens[7, 1:] = np.where(np.arange(num_nodes) % 2 == 0, vocab + 1, -5)  # out of vocab
-  p[8, :, ::3] = np.nan  # p poisoned
-  p[9] = 0.0  # p without mass: uniform fallback
-  p[:, :, vocab:] = 1.0  # padding columns must never be emitted
-  p[10, :, ::2] = np.inf  # greedy row with poisoned p
-  ok = np.ones((batch, num_nodes + 1), bool)
-  ok[11] = False
-  out = traversal_sample(tokens, parents, q, q_row, p, greedy, u, vocab, active,
-                         max_depth=max_depth, draft_probs_ok=ok)
-  out_tok, acc = np.asarray(out.tokens), np.asarray(out.accept_len)
-  for b in range(batch):
-    assert np.all(out_tok[b, :acc[b] + 1] >= 0) and np.all(out_tok[b, :acc[b] + 1] < vocab)
-  assert np.all(acc[:8] == 0)  # every candidate set aside
-  mal = np.asarray(out.num_malformed_q)
-  assert np.all(mal[:7] > 0) and mal[7] == 0
-  assert out.num_fallback[9] == 1
-  check_tree_output(out, tokens, parents, vocab, active, max_depth)
+  check_poisoned_rows(traversal_sample)
 
 
 def test_flagged_q_rows_are_set_aside_and_counted():
-  batch, num_nodes, vocab, max_depth = 6, 6, 8, 2
-  tokens, parents, q, q_row, p, greedy, u, active = random_tree_inputs(
-      10, batch, num_nodes, vocab, vocab, max_depth)
-  active[:], greedy[:] = True, False
-  u[:] = 0.0  # any well-formed candidate with p(x) > 0 would be accepted
-  ok = np.zeros((batch, num_nodes + 1), bool)
-  out = traversal_sample(tokens, parents, q, q_row, p, greedy, u, vocab, active,
-                         max_depth=max_depth, draft_probs_ok=ok)
-  np.testing.assert_array_equal(out.accept_len, 0)
-  root_children = ((parents == 0) & (np.arange(num_nodes + 1) > 0)).sum(1)
-  np.testing.assert_array_equal(out.num_malformed_q, root_children)
+  check_flagged_rows(traversal_sample)
 
 
 # --------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
 from eagle_jax.kernels.tree_sampler import (
     PAD_TOKEN, TreeSamplerOutput, tree_speculative_sample, tree_speculative_sample_reference)
 from eagle_jax.testutil.stats import chi2_pvalue
-from eagle_jax.testutil.trees import check_tree_output, random_tree_inputs
+from eagle_jax.testutil.trees import (
+    check_flagged_rows, check_poisoned_rows, check_tree_output, random_tree_inputs)
 
 # Chi-square / z tests: false-alarm rate alpha = 1e-3 per statistic (p-value from the
 # regularised upper incomplete gamma function, scipy is not installed).
@@ -62,7 +63,8 @@ def test_random_trees_kernel_matches_reference(
 
 def test_greedy_rows_follow_argmax_chain():
   batch, num_nodes, vocab, max_depth = 12, 8, 16, 3
-  tokens, parents, q, q_row, p, _, u, active = random_tree_inputs(7, batch, num_nodes, vocab, vocab, max_depth)
+  tokens, parents, q, q_row, p, _, u, active = random_tree_inputs(
+      7, batch, num_nodes, vocab, vocab, max_depth)
   greedy = np.ones(batch, bool)
   out = tree_speculative_sample(tokens, parents, q, q_row, p, greedy, u, vocab, active,
                                 max_depth=max_depth)
@@ -349,51 +351,11 @@ def test_first_step_acceptance_matches_analytic():
 
 
 def test_fault_injection_never_emits_invalid_ids():
-  batch, num_nodes, num_cols, vocab, max_depth = 12, 8, 16, 12, 3
-  tokens, parents, q, q_row, p, greedy, u, active = random_tree_inputs(
-      9, batch, num_nodes, num_cols, vocab, max_depth)
-  active[:] = True
-  greedy[:] = False
-  greedy[10:] = True
-  # q poisoned at the drawn token (rows 0-5: NaN, +inf, -inf, 0, -0.5, 1.5), or everywhere.
-  for b, bad in enumerate([np.nan, np.inf, -np.inf, 0.0, -0.5, 1.5]):
-    for i in range(1, num_nodes + 1):
-      q[b, q_row[b, i], tokens[b, i]] = bad
-  q[6] = -np.inf  # a recycled -inf buffer
-  tokens[7, 1:] = np.where(np.arange(num_nodes) % 2 == 0, vocab + 1, -5)  # out of vocab
-  p[8, :, ::3] = np.nan  # p poisoned
-  p[9] = 0.0  # p without mass: uniform fallback
-  p[:, :, vocab:] = 1.0  # padding columns must never be emitted
-  p[10, :, ::2] = np.inf  # greedy row with poisoned p
-  ok = np.ones((batch, num_nodes + 1), bool)
-  ok[11] = False
-  out = tree_speculative_sample(tokens, parents, q, q_row, p, greedy, u, vocab, active,
-                                max_depth=max_depth, draft_probs_ok=ok)
-  out_tok = np.asarray(out.tokens)
-  acc = np.asarray(out.accept_len)
-  for b in range(batch):
-    assert 0 <= out_tok[b, acc[b]] < vocab, (b, out_tok[b])
-    assert np.all(out_tok[b, :acc[b] + 1] >= 0) and np.all(out_tok[b, :acc[b] + 1] < vocab)
-  assert np.all(acc[[0, 1, 2, 3, 4, 5, 6, 7]] == 0)  # every candidate rejected
-  mal = np.asarray(out.num_malformed_q)
-  assert np.all(mal[[0, 1, 2, 3, 4, 5, 6]] > 0) and mal[7] == 0
-  assert out.num_fallback[9] == 1
-  # Sampling rows whose p has no mass still draw with the final coin.
-  check_tree_output(out, tokens, parents, vocab, active, max_depth)
+  check_poisoned_rows(tree_speculative_sample)
 
 
 def test_malformed_row_rejected_and_counted():
-  batch, num_nodes, vocab, max_depth = 6, 6, 8, 2
-  tokens, parents, q, q_row, p, greedy, u, active = random_tree_inputs(
-      10, batch, num_nodes, vocab, vocab, max_depth)
-  active[:], greedy[:] = True, False
-  u[:] = 0.0  # any well-formed candidate with p(x) > 0 would be accepted
-  ok = np.zeros((batch, num_nodes + 1), bool)
-  out = tree_speculative_sample(tokens, parents, q, q_row, p, greedy, u, vocab, active,
-                                max_depth=max_depth, draft_probs_ok=ok)
-  np.testing.assert_array_equal(out.accept_len, 0)
-  root_children = ((parents == 0) & (np.arange(num_nodes + 1) > 0)).sum(1)
-  np.testing.assert_array_equal(out.num_malformed_q, root_children)
+  check_flagged_rows(tree_speculative_sample)
 
 
 # --------------------------------------------------------------------------------------

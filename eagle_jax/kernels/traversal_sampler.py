@@ -223,6 +223,22 @@ def _outputs(acc, token, fallback, n: _Nodes, tok, par, run, active, greedy_out,
       lambda g, t: jnp.where(pick.reshape((-1,) + (1,) * (g.ndim - 1)), g, t), greedy_out, tv)
 
 
+def _after_rejection(delta, a_c, here, at_c, later, q_v, alpha, rk, a_rej, d_rej):
+  """The walk's state after rejecting node v at its parent c (Delta ``delta``, c's alpha
+  ``a_c``), as vectors over the nodes (``here``: v's lane, ``at_c``: c's, ``later``:
+  c's later usable children, ``q_v``: q'_v at each node's token): c's new alpha, v's
+  record, and c's new r at its later children's tokens. The kernel and the reference
+  share it, so their decisions are the same arithmetic."""
+  den = delta + 1.0 - a_c
+  new_a = jnp.where(den > 0.0, delta / jnp.where(den > 0.0, den, 1.0), 0.0)
+  alpha = jnp.where(at_c, new_a, alpha)
+  a_rej = jnp.where(here, a_c, a_rej)
+  d_rej = jnp.where(here, delta, d_rej)
+  rk = jnp.where(later, jnp.maximum(a_c * rk - q_v, 0.0)
+                 / jnp.where(delta > 0.0, delta, 1.0), rk)
+  return alpha, rk, a_rej, d_rej
+
+
 def _walk_row(n: _Nodes, tok, par, q, p, u, run, *, vocab_size: int, max_depth: int):
   """One row's walk, pure jnp (the reference): (accepted node, token, fallback)."""
   num_nodes, num_cols = p.shape
@@ -278,16 +294,11 @@ def _walk_row(n: _Nodes, tok, par, q, p, u, run, *, vocab_size: int, max_depth: 
     r, excl = residual(c, v, deleted, a_rej, d_rej)
     qv = jnp.where(excl, 0.0, q[n.q_row[v]]) / jnp.where(n.q_norm[v] > 0.0, n.q_norm[v], 1.0)
     delta = jnp.sum(jnp.maximum(a_c * r - qv, 0.0))
-    den = delta + 1.0 - a_c
-    new_a = jnp.where(den > 0.0, delta / jnp.where(den > 0.0, den, 1.0), 0.0)
-    alpha = jnp.where(reject & (nodes == c), new_a, alpha)
     here = reject & (nodes == v)
-    a_rej = jnp.where(here, a_c, a_rej)
-    d_rej = jnp.where(here, delta, d_rej)
     later = reject & n.usable & ~deleted & (par == c) & (nodes > v)
     q_v = n.q_tok / jnp.where(n.q_norm[v] > 0.0, n.q_norm[v], 1.0)
-    rk = jnp.where(later, jnp.maximum(a_c * rk - q_v, 0.0)
-                   / jnp.where(delta > 0.0, delta, 1.0), rk)
+    alpha, rk, a_rej, d_rej = _after_rejection(
+        delta, a_c, here, reject & (nodes == c), later, q_v, alpha, rk, a_rej, d_rej)
     deleted = deleted | here
     acc = jnp.where(~done & accept, v, acc)
     return alpha, rk, deleted, a_rej, d_rej, done | accept, acc
@@ -458,15 +469,10 @@ def _traversal_kernel(run_ref, tok_ref, par_ref, qr_ref, usable_ref, qn_ref, qto
       return total + jnp.sum(jnp.maximum(a_c * r - qv, 0.0))
 
     delta = lax.fori_loop(_I0, _trips(reject, num_blocks), delta_pass, zero_f)
-    den = delta + 1.0 - a_c
-    new_a = jnp.where(den > 0.0, delta / jnp.where(den > 0.0, den, 1.0), 0.0)
-    alpha = jnp.where(reject & (nodes == c), new_a, alpha)
     here = reject & (nodes == v)
-    a_rej = jnp.where(here, a_c, a_rej)
-    d_rej = jnp.where(here, delta, d_rej)
     later = reject & (usable != 0) & (deleted == 0) & (par == c) & (nodes > v)
-    rk = jnp.where(later, jnp.maximum(a_c * rk - q_tok / qn_v, 0.0)
-                   / jnp.where(delta > 0.0, delta, 1.0), rk)
+    alpha, rk, a_rej, d_rej = _after_rejection(
+        delta, a_c, here, reject & (nodes == c), later, q_tok / qn_v, alpha, rk, a_rej, d_rej)
     deleted = jnp.where(here, 1, deleted)
     acc = jnp.where(~done & accept, v, acc)
     return alpha, rk, deleted, a_rej, d_rej, done | accept, acc
