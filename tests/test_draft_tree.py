@@ -54,7 +54,7 @@ def _chains(seed):
     return rng.standard_normal((V, V)) * 1.3, rng.standard_normal((V, V)) * 1.3
 
 
-SAMPLERS = {"traversal": traversal_sample,
+SAMPLERS = {"traversal": functools.partial(traversal_sample, max_children=K),  # as the step
             "recursive_rejection": tree_speculative_sample_reference}
 
 

@@ -412,8 +412,9 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
     as scratch above the sequence (never read: attention stops at seq_len). Sampling
     rows are verified as ``tree_verify`` says (``EngineConfig``: with the draft's real q
     by Traversal Verification or recursive rejection sampling, or by SGLang's
-    target-only rule); greedy rows take the target's argmax path. With ``chunks``, prompt chunks ride in the verify forward in rows of
-    num_nodes + 1 positions, as in ``spec_step``.
+    target-only rule); greedy rows take the target's argmax path. With ``chunks``,
+    prompt chunks ride in the verify forward in rows of num_nodes + 1 positions, as in
+    ``spec_step``.
     """
     S, K, N = num_steps, topk, num_nodes
     target_only = tree_verify == "target_only"
