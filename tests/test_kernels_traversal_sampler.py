@@ -169,6 +169,12 @@ def test_fault_injection_never_emits_invalid_ids():
   check_poisoned_rows(traversal_sample)
 
 
+def test_missing_draft_probabilities_are_an_error():
+  tokens, parents, q, q_row, p, greedy, u, active = random_tree_inputs(5, 2, 4, 8, 8, 2)
+  with pytest.raises(ValueError, match="draft_probs"):
+    traversal_sample(tokens, parents, None, None, p, greedy, u, 8, active, max_depth=2)
+
+
 def test_flagged_q_rows_are_set_aside_and_counted():
   check_flagged_rows(traversal_sample)
 

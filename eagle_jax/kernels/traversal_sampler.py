@@ -116,6 +116,11 @@ from eagle_jax.kernels.filters import sample_from_probs
 from eagle_jax.kernels.tree_sampler import PAD_TOKEN, TreeSamplerOutput
 
 _NO_INDEX = _common.NO_INDEX
+# The tree samplers' shared helpers, one definition each (``tree_sampler``).
+_as_prob = tree_sampler._as_prob  # noqa: SLF001
+_count = tree_sampler._count  # noqa: SLF001
+_pick = tree_sampler._pick  # noqa: SLF001
+_trips = tree_sampler._trips  # noqa: SLF001
 _I0 = np.int32(0)  # loop bounds, int32 (numpy: no device array at import)
 
 # The kernel's output [B, 4] int32.
@@ -135,10 +140,6 @@ class _Nodes(NamedTuple):
   q_tok: jax.Array  # f32: q(x_k) in that row
   p_tok: jax.Array  # f32: p_c(x_k) / mass of p_c, c = k's parent
   p_mass: jax.Array  # f32: mass of p_k (entries in [0, 1] below vocab_size)
-
-
-def _as_prob(x):
-  return tree_sampler._as_prob(x)  # noqa: SLF001 (one definition of the guard)
 
 
 def _node_scalars(tok, par, q_row, q, q_ok, p, vocab_size: int, max_depth: int,
@@ -319,6 +320,10 @@ def _walk_row(n: _Nodes, tok, par, q, p, u, run, *, vocab_size: int, max_depth: 
 
 def _prepare(node_tokens, parents, draft_probs, q_row, target_probs, greedy, uniforms,
              vocab_size, active, max_depth, draft_probs_ok, max_children):
+  if draft_probs is None or q_row is None:
+    raise ValueError("traversal_sample verifies with the draft's real q: draft_probs "
+                     "[B, E, V] and q_row [B, N+1] are required (for deterministic "
+                     "candidates use tree_speculative_sample(target_only=True))")
   node_tokens = jnp.asarray(node_tokens, jnp.int32)
   parents = jnp.asarray(parents, jnp.int32)
   greedy = jnp.asarray(greedy, jnp.bool_)
@@ -362,14 +367,6 @@ def traversal_sample_reference(
 # --------------------------------------------------------------------------------------
 # Pallas kernel (Triton path): one program per row walks its tree.
 # --------------------------------------------------------------------------------------
-
-
-def _pick(vec, lanes, i):
-  return tree_sampler._pick(vec, lanes, i)  # noqa: SLF001 (one masked-sum scalar read)
-
-
-def _trips(flag, n):
-  return tree_sampler._trips(flag, n)  # noqa: SLF001
 
 
 def _traversal_kernel(run_ref, tok_ref, par_ref, qr_ref, usable_ref, qn_ref, qtok_ref,
@@ -523,10 +520,6 @@ def _traversal_kernel(run_ref, tok_ref, par_ref, qr_ref, usable_ref, qn_ref, qto
   plgpu.store(out_ref.at[b, field], out.astype(jnp.int32))
 
 
-def _count(flag):
-  return jnp.where(flag, jnp.int32(1), jnp.int32(0))
-
-
 def traversal_sample(
     node_tokens, parents, draft_probs, q_row, target_probs, greedy, uniforms,
     vocab_size: int, active=None, *, max_depth: int, draft_probs_ok=None,
@@ -546,6 +539,7 @@ def traversal_sample(
       _common.kernel_backend_ok(interpret)
       and jnp.ndim(node_tokens) == 2 and jnp.shape(node_tokens)[1] >= 1
       and jnp.issubdtype(jnp.result_type(target_probs), jnp.floating)
+      and draft_probs is not None
       and jnp.issubdtype(jnp.result_type(draft_probs), jnp.floating))
   if not supported:
     return traversal_sample_reference(
