@@ -64,6 +64,10 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--kv-cache-gib", type=float, default=16.0,
+                    help="each engine's KV pool; the engine's default (most of the free "
+                         "memory) leaves XLA too little for the step's buffers, and it "
+                         "rematerialises")
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
@@ -91,7 +95,8 @@ def main(argv=None):
                   max_model_len=args.context + (args.repeats + 4) * span + 64,
                   max_num_seqs=max(batches), batch_buckets=tuple(batches),
                   prefill_buckets=(64,), compilation_cache_dir="", precompile=False,
-                  speculative_policy="fixed")
+                  speculative_policy="fixed",
+                  kv_cache_memory=None if args.small else int(args.kv_cache_gib * 2**30))
     configs = [("plain", dict(speculative_algorithm="NONE"))]
     configs.append(("chain", dict(speculative_algorithm="EAGLE3", draft_model="random",
                                   num_steps=args.chain_steps)))

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # The custom-call target the Pallas Triton lowering emits, on CUDA and ROCm alike.
 # jax.export refuses to serialise it unless told (it carries no compatibility
@@ -153,6 +154,8 @@ def cdiv(a: int, b: int) -> int:
 # Index larger than any vocabulary column or tree node index: the identity of a "first
 # index" min.
 NO_INDEX = 1 << 30
+# A float32 scan of a block and its sum differ by far less than this relative amount.
+_CDF_SLACK = 1.0 + 1e-3
 
 
 def inverse_cdf_init():
@@ -166,11 +169,20 @@ def inverse_cdf_block(carry, cols, w, target):
   weight of the blocks before, the first column whose cumulative weight exceeds
   ``target`` (NO_INDEX until found), the last column of positive weight (-1: none)."""
   running, found, last_pos = carry
-  csum = running + jnp.cumsum(w)
-  first = jnp.min(jnp.where((csum > target) & (w > 0.0), cols, NO_INDEX))
+  total = jnp.sum(w)
+
+  def locate():
+    csum = running + jnp.cumsum(w)
+    return jnp.min(jnp.where((csum > target) & (w > 0.0), cols, NO_INDEX))
+
+  # The block's scan (cross-warp, the costly part) only where the target may fall in it;
+  # the slack covers the scan's rounding against the sum's. The other branch computes its
+  # NO_INDEX from `found`: Triton's lowering of a cond cannot yield a constant.
+  may_hold = (found == NO_INDEX) & ((running + total) * _CDF_SLACK >= target)
+  first = lax.cond(may_hold, locate, lambda: jnp.maximum(found, NO_INDEX))
   found = jnp.where(found == NO_INDEX, first, found)
   last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(w > 0.0, cols, -1)))
-  return running + jnp.sum(w), found, last_pos
+  return running + total, found, last_pos
 
 
 def inverse_cdf_token(carry):

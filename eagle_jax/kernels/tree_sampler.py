@@ -155,6 +155,13 @@ def _count(flag):
   return jnp.where(flag, jnp.int32(1), jnp.int32(0))
 
 
+def _inverse(x):
+  """1 / x for a positive normaliser, else 1 (a scalar). Vocabulary passes multiply by it:
+  a division per column made a single program's pass compute-bound. Kernels and
+  references both use it, so their arithmetic stays the same."""
+  return 1.0 / jnp.where(x > 0.0, x, 1.0)
+
+
 def _as_prob(x):
   """An entry that is not a probability in [0, 1] (NaN, +-inf, < 0, > 1) counts as 0."""
   return jnp.where((x >= 0.0) & (x <= 1.0), x, 0.0)
@@ -218,7 +225,7 @@ def _verify_row(tok, par, q_row, q, q_ok, p, greedy, u, active, *, vocab_size, m
       if without_replacement:
         qi = jnp.where(excl, 0.0, qi)
       norm = jnp.sum(qi)
-      qp = jnp.where(norm > 0.0, qi / jnp.where(norm > 0.0, norm, 1.0), 0.0)
+      qp = jnp.where(norm > 0.0, qi * _inverse(norm), 0.0)
       ok = row_ok[i]
     qx = jnp.sum(jnp.where(onehot_x, qp, 0.0))
     wx = jnp.sum(jnp.where(onehot_x, w, 0.0))
@@ -391,7 +398,7 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
         s_j = _pick(sib_s, nodes, j)
         qv = _as_prob(plgpu.load(q_ref.at[b, _pick(sib_qr, nodes, j), cols],
                                  mask=live & sub & (cols < vocab_size), other=0.0))
-        qp = jnp.where(excl != 0, 0.0, qv) / jnp.where(s_j > 0.0, s_j, 1.0)
+        qp = jnp.where(excl != 0, 0.0, qv) * _inverse(s_j)
       else:
         qp = jnp.where(cols == tok_j, 1.0, 0.0)
       w = jnp.where(sub, jnp.maximum(w - _pick(sib_m, nodes, j) * qp, 0.0), w)
@@ -442,7 +449,7 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
           _I0, _trips(is_child & valid_i, num_blocks), s_pass, zero_f)
       excl_x = jnp.sum(jnp.where((nodes < count) & (sib_tok == x), 1, 0)) > 0
       q_x = jnp.where(excl_x, 0.0, _as_prob(q_ref[b, qr_i, x]))
-      qx = jnp.where(norm > 0.0, q_x / jnp.where(norm > 0.0, norm, 1.0), 0.0)
+      qx = jnp.where(norm > 0.0, q_x * _inverse(norm), 0.0)
     else:
       qr_i = jnp.int32(0)
       ok_i = jnp.bool_(True)
@@ -457,7 +464,7 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
         s_j = _pick(sib_s, nodes, j)
         ex = jnp.sum(jnp.where((nodes < j) & (sib_tok == x), 1, 0)) > 0
         qv = _as_prob(q_ref[b, _pick(sib_qr, nodes, j), x])
-        qp = jnp.where(ex, 0.0, qv) / jnp.where(s_j > 0.0, s_j, 1.0)
+        qp = jnp.where(ex, 0.0, qv) * _inverse(s_j)
       else:
         qp = jnp.where(x == tok_j, jnp.float32(1.0), jnp.float32(0.0))
       return jnp.where(sub, jnp.maximum(w - _pick(sib_m, nodes, j) * qp, 0.0), w)
