@@ -4,9 +4,10 @@ Verifies an EAGLE-2 dynamic draft tree per batch row, lossless at any temperatur
 the draft's real probabilities, deciding whole paths instead of single tokens (Weng et
 al. 2025, "Traversal Verification for Speculative Tree Decoding", NeurIPS; on a chain it
 is Sun et al.'s block verification, "Block Verification Accelerates Speculative
-Decoding", ICLR 2025). The engine's default for sampled tree rows; greedy rows take the
-target's argmax path as in ``tree_sampler.py``, whose tree layout and guards this module
-shares: node 0 is the root, node i > 0 holds ``node_tokens[b, i]`` and parent
+Decoding", ICLR 2025). The engine uses it for sampled tree rows when asked
+(``EngineConfig.tree_verify = "traversal"``; recursive rejection, ``tree_sampler.py``, is
+the default while this walk costs more per step); greedy rows take the target's argmax
+path as in ``tree_sampler.py``, whose tree layout and guards this module shares: node 0 is the root, node i > 0 holds ``node_tokens[b, i]`` and parent
 ``parents[b, i]`` in [0, i) (negative: absent), and the present children of a node, in
 increasing node index, were drawn in that order WITHOUT replacement from the parent's
 draft distribution q = ``draft_probs[b, q_row[b, i]]``. ``target_probs[b, i]`` is p_i,
@@ -89,11 +90,12 @@ rejected children: r <- max(a_j r - q'_j, 0) / Delta_j, no scratch memory) and f
 final draw (two passes: r's mass, then the inverse CDF), so a row makes (rejections + 2)
 passes; the walk's loop stops at the first acceptance. A pass multiplies by its
 normalisers' reciprocals (``tree_sampler._inverse``): one program streams the whole
-vocabulary, so a division per column and sibling made the pass compute-bound (H200,
-32 rejections over 128256 columns: 2.5 ms -> 1.9 ms). A pass reads each block of c's q row once for all of c's children, and the
-children's scalars once before its first block: ``max_children`` (static, the tree's K)
-slots unrolled, since every scalar read from a register vector is a cross-warp
-reduction, which per block and per sibling would cost more than the loads. The node
+vocabulary, so a division per column and sibling made the pass compute-bound (H200, 32
+rejections over 128256 columns: 2.5 ms -> 1.9 ms). A pass reads each block of c's q row
+once for all of c's children, and the children's scalars once before its first block:
+``max_children`` (static, the tree's K) slots unrolled, since every scalar read from a
+register vector is a cross-warp reduction, which per block and per sibling would cost
+more than the loads. The node
 scalars (masses of the p and q rows, q'_k(x_k), p_c(x_k), which nodes are usable) are
 XLA in the wrapper, where they fuse with reading p and q once. The accept/reject
 decisions are the reference's arithmetic except that vocabulary sums are blockwise, so
@@ -483,9 +485,12 @@ def _traversal_kernel(run_ref, tok_ref, par_ref, qr_ref, usable_ref, qn_ref, qto
           jnp.zeros((num_nodes_pad,), jnp.int32), zeros, zeros, ~run, jnp.int32(0))
   # Until the first acceptance: each node is tested at most once, and after the accepted
   # one no state is read but the draw's.
+  def walking(carry):
+    i, (_, _, _, _, _, done, _) = carry
+    return (i < num_nodes) & ~done
+
   _, (_, _, deleted, a_rej, d_rej, _, acc) = lax.while_loop(
-      lambda carry: (carry[0] < num_nodes) & ~carry[1][5],
-      lambda carry: (carry[0] + 1, test(carry[0], carry[1])), (jnp.int32(0), init))
+      walking, lambda carry: (carry[0] + 1, test(*carry)), (jnp.int32(0), init))
 
   # The draw at the accepted node: r's mass, then its inverse CDF (or p's, on fallback).
   first_kid = jnp.min(jnp.where(present & (par == acc), nodes, _NO_INDEX))
