@@ -5,13 +5,14 @@ the draft's real probabilities, deciding whole paths instead of single tokens (W
 al. 2025, "Traversal Verification for Speculative Tree Decoding", NeurIPS; on a chain it
 is Sun et al.'s block verification, "Block Verification Accelerates Speculative
 Decoding", ICLR 2025). The engine uses it for sampled tree rows when asked
-(``EngineConfig.tree_verify = "traversal"``; recursive rejection, ``tree_sampler.py``, is
-the default while this walk costs more per step); greedy rows take the target's argmax
-path as in ``tree_sampler.py``, whose tree layout and guards this module shares: node 0 is the root, node i > 0 holds ``node_tokens[b, i]`` and parent
-``parents[b, i]`` in [0, i) (negative: absent), and the present children of a node, in
-increasing node index, were drawn in that order WITHOUT replacement from the parent's
-draft distribution q = ``draft_probs[b, q_row[b, i]]``. ``target_probs[b, i]`` is p_i,
-the target's filtered distribution after node i.
+(``EngineConfig.tree_verify = "traversal"``; recursive rejection, ``tree_sampler.py``,
+is the default while this walk costs more per step); greedy rows take the target's
+argmax path as in ``tree_sampler.py``, whose tree layout and guards this module shares:
+node 0 is the root, node i > 0 holds ``node_tokens[b, i]`` and parent ``parents[b, i]``
+in [0, i) (negative: absent), and the present children of a node, in increasing node
+index, were drawn in that order WITHOUT replacement from the parent's draft distribution
+q = ``draft_probs[b, q_row[b, i]]``. ``target_probs[b, i]`` is p_i, the target's
+filtered distribution after node i.
 
 Algorithm (sampling rows). Every node c carries a weight alpha_c in [0, 1], a target
 distribution r_c (initially p_c / its mass) and a proposal q'_c (initially q at c).
