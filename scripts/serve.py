@@ -45,13 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens the target verifies per step, the root included: a chain's "
                         "num_steps + 1 (its only value); a tree's root + nodes (default 32, "
                         "at most 1 + K + (num_steps - 1) K^2)")
-    g.add_argument("--tree-verify", default="recursive_rejection",
+    g.add_argument("--tree-verify", default="traversal",
                    choices=list(TREE_VERIFY_METHODS),
-                   help="trees: how sampled requests are verified, all exact: "
-                        "recursive_rejection (the draft's real q, token by token; default), "
-                        "traversal (the same trees, whole paths at once: more tokens "
-                        "accepted, a slower sampler) or target_only (SGLang's rule); greedy "
-                        "requests take the target's argmax path")
+                   help="trees: how sampled requests are verified, all exact: traversal "
+                        "(the draft's real q, whole paths at once; default), "
+                        "recursive_rejection (the same trees, token by token: fewer tokens "
+                        "accepted) or target_only (SGLang's rule); greedy requests take the "
+                        "target's argmax path")
     g.add_argument("--speculative-policy", default=None, choices=["adaptive", "fixed"],
                    help="adaptive: each step drafts the length (of --speculative-draft-lengths)"
                         " with the most expected committed tokens per second; fixed: every "

@@ -42,7 +42,10 @@ def engines(models):
                             "eagle1": ("EAGLE", "greedy"),
                             "eagle3_tree": ("EAGLE3", "probabilistic"),
                             "eagle1_tree": ("EAGLE", "probabilistic")}[name]
-            tree = TREE if name.endswith("_tree") else {}
+            # Sampled tree rows: traversal (the default) for EAGLE-3, recursive
+            # rejection for EAGLE-1, so the engine runs both real-q rules.
+            tree = ({**TREE, "tree_verify": "recursive_rejection"} if name == "eagle1_tree"
+                    else TREE if name.endswith("_tree") else {})
             built[name] = _new_engine(models, algo, draft_sample_method=method, **tree)
         return built[name]
 
@@ -118,7 +121,7 @@ def test_greedy_rows_keep_argmax_accept_length_under_rejection_sampling(engines)
     assert lengths["eagle3"] == lengths["eagle3_prob"]
 
 
-@pytest.mark.parametrize("name", ["eagle3_prob", "eagle3_tree"])
+@pytest.mark.parametrize("name", ["eagle3_prob", "eagle3_tree", "eagle1_tree"])
 def test_mixed_batch_keeps_each_rows_behaviour(engines, name):
     prompts = _prompts(4, seed=3)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -160,6 +160,32 @@ def test_kernel_matches_reference_on_a_fixed_tree():
   assert len(np.unique(np.asarray(out.accept_len))) >= 3
 
 
+def test_the_last_round_of_passes_is_reached():
+  """A comb (each level: 3 children, tokens 0, 1, 2, the last one expanded) puts node 9's
+  pass in round 9 = max_depth x max_children, the kernels' last. p gives the first two
+  children's tokens no mass (alpha 0: rejected whatever the coin) and the third a large
+  one, so node 9 is tested, with the state the last round computed, in every row: the
+  paths equal the reference's, and node 9 is accepted in many rows."""
+  num_cols, n = 12, 64
+  parents = np.array([-1, 0, 0, 0, 3, 3, 3, 6, 6, 6], np.int32)
+  rng = np.random.default_rng(21)
+  q = rng.dirichlet(np.full(num_cols, 0.8), size=(n, 10)).astype(np.float32)
+  p = rng.dirichlet(np.full(num_cols, 0.8), size=(n, 10))
+  p[..., :2] = 0.0
+  p[..., 2] += rng.uniform(0.5, 2.0, size=(n, 10))
+  p = (p / p.sum(-1, keepdims=True)).astype(np.float32)
+  tokens = np.broadcast_to(np.array([0, 0, 1, 2, 0, 1, 2, 0, 1, 2], np.int32), (n, 10))
+  q_row = np.broadcast_to(np.maximum(parents, 0), (n, 10)).astype(np.int32)
+  u = rng.uniform(size=(n, 11)).astype(np.float32)
+  args = (tokens, np.broadcast_to(parents, (n, 10)), q, q_row, p, np.zeros(n, bool), u,
+          num_cols)
+  out = traversal_sample(*args, max_depth=3, max_children=3)
+  ref = traversal_sample_reference(*args, max_depth=3, max_children=3)
+  for name in ("path", "accept_len", "num_fallback"):
+    np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=name)
+  assert np.sum(np.asarray(out.path)[:, 3] == 9) >= n // 4
+
+
 # --------------------------------------------------------------------------------------
 # Guards (seed 004).
 # --------------------------------------------------------------------------------------
@@ -186,8 +212,8 @@ def test_flagged_q_rows_are_set_aside_and_counted():
 
 @pytest.mark.parametrize("platform,target", [("cuda", "sm_90"), ("rocm", "gfx942")])
 def test_exports_triton_kernel(platform, target):
-  """The kernel (and the greedy rows' argmax kernel) lower through the Triton path for
-  CUDA and ROCm on a CPU machine."""
+  """The kernels lower through the Triton path for CUDA and ROCm on a CPU machine: the
+  passes (one call in the rounds' loop), the draw, and the greedy rows' argmax walk."""
   s = jax.ShapeDtypeStruct
   i32, f32 = jnp.int32, jnp.float32
   b, n1, e, v = 4, 7, 3, 1024
@@ -201,4 +227,4 @@ def test_exports_triton_kernel(platform, target):
     exported = jax.export.export(
         jax.jit(fn), platforms=[platform],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*args)
-  assert exported.mlir_module().count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") == 2
+  assert exported.mlir_module().count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") == 3

@@ -40,7 +40,8 @@ def test_every_kernel_compiles_for_both_targets_without_spills(rows):
   assert rocm_compile.failures(rows) == []
   kernels = {"spec_sampler_partials", "spec_sampler_finish", "draft_proposal",
              "rmsnorm_concat", "gathered_lm_head", "paged_attention",
-             "paged_attention_combine", "tree_sampler", "traversal_sampler", "tree_mask"}
+             "paged_attention_combine", "tree_sampler", "traversal_sampler", "traversal_draw",
+             "tree_mask"}
   for model in rocm_compile.MODELS:
     for arch in rocm_compile.ARCHS:
       compiled = {r["kernel"] for r in rows if r["model"] == model and r["arch"] == arch}

@@ -8,7 +8,7 @@ import os
 ALGORITHMS = ("EAGLE", "EAGLE3", "NONE")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
-TREE_VERIFY_METHODS = ("recursive_rejection", "traversal", "target_only")
+TREE_VERIFY_METHODS = ("traversal", "recursive_rejection", "target_only")
 DEFAULT_TREE_TOKENS = 32
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -31,11 +31,12 @@ class EngineConfig:
         root and num_draft_tokens - 1 drafted nodes (None: 32, SGLang's usual choice),
         at most 1 + K + (S-1) K^2 (the candidates there are).
       tree_verify: how a tree's sampled rows are verified, all exact:
-        "recursive_rejection" (the draft's real q, children drawn without replacement,
-        token by token: ``tree_sampler.py``), "traversal" (the same trees, whole paths
-        accepted at once, leaves first: Traversal Verification, ``traversal_sampler.py``;
-        more tokens accepted, a slower sampler on the GPU for now: docs/BENCHMARKS.md) or
-        "target_only" (SGLang's rule over the draft's top-K children; the baseline).
+        "traversal" (the draft's real q, children drawn without replacement, whole
+        paths accepted at once, leaves first: Traversal Verification,
+        ``traversal_sampler.py``), "recursive_rejection" (the same trees, token by
+        token: ``tree_sampler.py``; fewer tokens accepted at T > 0, and a slower
+        sampler on an H200: docs/BENCHMARKS.md) or "target_only" (SGLang's rule over
+        the draft's top-K children; the baseline).
         Greedy rows take the target's argmax path in every case.
       speculative_policy: "adaptive" chooses each step's draft length among
         ``draft_lengths`` for the most expected committed tokens per second (each
@@ -102,7 +103,7 @@ class EngineConfig:
     num_steps: int = 5
     speculative_eagle_topk: int = 1
     num_draft_tokens: int | None = None
-    tree_verify: str = "recursive_rejection"
+    tree_verify: str = "traversal"
     speculative_policy: str | None = None
     draft_lengths: tuple[int, ...] | None = None
     draft_sample_method: str = "probabilistic"

@@ -143,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trees: tokens verified per step, the root included (root + N - 1 "
                         "drafted nodes), comma-separated sweep; default: the engine's (32, or "
                         "1 + K + (S-1) K^2 if fewer). Chains always verify S + 1")
-    g.add_argument("--tree-verify", type=_verify_list, default=["recursive_rejection"],
-                   help="trees: recursive_rejection (the draft's real q, token by token; "
-                        "default), traversal (real q, whole paths) and/or target_only "
+    g.add_argument("--tree-verify", type=_verify_list, default=["traversal"],
+                   help="trees: traversal (the draft's real q, whole paths; default), "
+                        "recursive_rejection (real q, token by token) and/or target_only "
                         "(SGLang's rule, the baseline), comma-separated sweep; greedy rows "
                         "take the target's argmax path in every case")
     g.add_argument("--speculative-policy", default="fixed", choices=("fixed", "adaptive"),

@@ -155,12 +155,13 @@ def cdiv(a: int, b: int) -> int:
 # index" min.
 NO_INDEX = 1 << 30
 # A float32 scan of a block and its sum differ by far less than this relative amount.
-_CDF_SLACK = 1.0 + 1e-3
+CDF_SLACK = 1.0 + 1e-3
 
 
-def inverse_cdf_init():
-  """The carry of an inverse-CDF draw before its first block (``inverse_cdf_block``)."""
-  return jnp.float32(0.0), jnp.int32(NO_INDEX), jnp.int32(-1)
+def inverse_cdf_init(before=0.0):
+  """The carry of an inverse-CDF draw before its first block (``inverse_cdf_block``);
+  ``before``: the weight of the blocks it skips, where it starts past column 0."""
+  return jnp.asarray(before, jnp.float32), jnp.int32(NO_INDEX), jnp.int32(-1)
 
 
 def inverse_cdf_block(carry, cols, w, target):
@@ -178,7 +179,7 @@ def inverse_cdf_block(carry, cols, w, target):
   # The block's scan (cross-warp, the costly part) only where the target may fall in it;
   # the slack covers the scan's rounding against the sum's. The other branch computes its
   # NO_INDEX from `found`: Triton's lowering of a cond cannot yield a constant.
-  may_hold = (found == NO_INDEX) & ((running + total) * _CDF_SLACK >= target)
+  may_hold = (found == NO_INDEX) & ((running + total) * CDF_SLACK >= target)
   first = lax.cond(may_hold, locate, lambda: jnp.maximum(found, NO_INDEX))
   found = jnp.where(found == NO_INDEX, first, found)
   last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(w > 0.0, cols, -1)))

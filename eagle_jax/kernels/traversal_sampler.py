@@ -4,10 +4,10 @@ Verifies an EAGLE-2 dynamic draft tree per batch row, lossless at any temperatur
 the draft's real probabilities, deciding whole paths instead of single tokens (Weng et
 al. 2025, "Traversal Verification for Speculative Tree Decoding", NeurIPS; on a chain it
 is Sun et al.'s block verification, "Block Verification Accelerates Speculative
-Decoding", ICLR 2025). The engine uses it for sampled tree rows when asked
+Decoding", ICLR 2025). The engine's default for sampled tree rows
 (``EngineConfig.tree_verify = "traversal"``; recursive rejection, ``tree_sampler.py``,
-is the default while this walk costs more per step); greedy rows take the target's
-argmax path as in ``tree_sampler.py``, whose tree layout and guards this module shares:
+accepts fewer tokens); greedy rows take the target's argmax path as in
+``tree_sampler.py``, whose tree layout and guards this module shares:
 node 0 is the root, node i > 0 holds ``node_tokens[b, i]`` and parent ``parents[b, i]``
 in [0, i) (negative: absent), and the present children of a node, in increasing node
 index, were drawn in that order WITHOUT replacement from the parent's draft distribution
@@ -78,31 +78,42 @@ Guards (seed 004). Per node k > 0, in the wrapper (``_node_scalars``):
   either, uniformly from [0, vocab_size) with the final coin.
 * Inactive rows: tokens and path all PAD_TOKEN, counters 0.
 
-Kernel design. One pallas_call (Triton path), one program per row: the walk is
-sequential (alpha_k depends on the state of every ancestor, which changes with each
-rejection below it). Per-node scalars sit in registers as power-of-two vectors: the
-tree, alpha, the record of every rejected node (alpha and Delta of its parent at its
-rejection) and, for every child, its parent's current r at its own token, kept up to
-date by one vector update per rejection, so that fixing alpha_k on the descent reads no
-vocabulary. The vocabulary is streamed in BLOCK-wide masked loads
-(``tree_sampler._block_config`` with one program per row) only for Delta at each
-rejection (one pass over p_c and c's q row, rebuilding r_c blockwise from c's earlier
-rejected children: r <- max(a_j r - q'_j, 0) / Delta_j, no scratch memory) and for the
-final draw (two passes: r's mass, then the inverse CDF), so a row makes (rejections + 2)
-passes; the walk's loop stops at the first acceptance. A pass multiplies by its
-normalisers' reciprocals (``tree_sampler._inverse``): one program streams the whole
-vocabulary, so a division per column and sibling made the pass compute-bound (H200, 32
-rejections over 128256 columns: 2.5 ms -> 1.9 ms). A pass reads each block of c's q row
-once for all of c's children, and the children's scalars once before its first block:
-``max_children`` (static, the tree's K) slots unrolled, since every scalar read from a
-register vector is a cross-warp reduction, which per block and per sibling would cost
-more than the loads. The node
-scalars (masses of the p and q rows, q'_k(x_k), p_c(x_k), which nodes are usable) are
-XLA in the wrapper, where they fuse with reading p and q once. The accept/reject
-decisions are the reference's arithmetic except that vocabulary sums are blockwise, so
-they and the final draw may differ from the reference only by a rounding error. The
-public function falls back to the pure-jnp reference on backends without a Triton
-lowering (TPU) and for non-float inputs.
+Kernel design: the states first, then the coins. The walk looks sequential (alpha_k
+depends on every rejection before k), but no state depends on a coin: node k is tested
+only once every node before it in post-order has been rejected, so its parent's state
+when the walk enters k, and k's own state when it is tested, are fixed functions of the
+tree, p and q. So:
+
+1. Passes, in rounds (``_schedule``, ``_pass_kernel``, one pallas_call per round on a
+   grid of B x (N+1) x vocabulary blocks). Node k's pass sums max(a r - q'_k, 0) over
+   the vocabulary (its Delta, were it rejected), with a, r its parent's alpha and
+   residual after k's earlier siblings, rebuilt blockwise from the parent's p and q
+   rows and those siblings' (alpha, Delta): r <- max(a_j r - q'_j, 0) / Delta_j, no
+   scratch memory. It needs its parent's entry alpha and its earlier siblings' Deltas,
+   so it runs in round (parent's round + rank among siblings + 1): at most
+   max_depth x max_children rounds (24 for K = 4, S = 6), each a single launch whose due
+   nodes' blocks spread over the whole GPU. Each program writes its block's partial sum,
+   and block 0's program k's entry alpha min(1, a r(x_k) / q'_k(x_k)) (r at x_k by the
+   same recurrence, scalar); later rounds sum the partials they read.
+2. The walk (XLA, scalars only): a node's test alpha is its alpha after all its usable
+   children were rejected, Delta / (Delta + 1 - a) of the last one; the accepted node is
+   the first node in post-order whose coin is below its test alpha (the root: always),
+   found by descending into the first child whose subtree holds one.
+3. The draw (``_draw_kernel``, one program per row): the accepted node's final r is w /
+   Delta of its last child's pass (a leaf's: p / its mass), so that pass's block partials
+   are r's block masses; the inverse CDF starts at the block the target falls in
+   (``_common.inverse_cdf_block``) and stops at the token.
+
+On an H200 (32 nodes over 128256 columns, every node rejected) this takes about 180 us,
+against 1.9 ms for one program per row walking its tree, a pass per rejection on a
+single core (docs/BENCHMARKS.md). A pass reads each block of the parent's q row once for
+all of its children, whose scalars are read once before: ``max_children`` (static, the
+tree's K) slots unrolled. The node scalars (masses of the p and q rows, q'_k(x_k),
+p_c(x_k), which nodes are usable) are XLA in the wrapper, where they fuse with reading
+p and q once. The decisions are the reference's arithmetic except that vocabulary sums
+are blockwise, so they and the final draw may differ from the reference only by a
+rounding error. The public function falls back to the pure-jnp reference on backends
+without a Triton lowering (TPU) and for non-float inputs.
 """
 
 from __future__ import annotations
@@ -112,7 +123,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -124,15 +134,7 @@ from eagle_jax.kernels.tree_sampler import PAD_TOKEN, TreeSamplerOutput
 _NO_INDEX = _common.NO_INDEX
 # The tree samplers' shared helpers, one definition each (``tree_sampler``).
 _as_prob = tree_sampler._as_prob  # noqa: SLF001
-_count = tree_sampler._count  # noqa: SLF001
 _inverse = tree_sampler._inverse  # noqa: SLF001
-_pick = tree_sampler._pick  # noqa: SLF001
-_trips = tree_sampler._trips  # noqa: SLF001
-_I0 = np.int32(0)  # loop bounds, int32 (numpy: no device array at import)
-
-# The kernel's output [B, 4] int32.
-_ACCEPTED, _TOKEN, _FALLBACK = range(3)
-_OUT = 4
 
 
 class _Nodes(NamedTuple):
@@ -231,19 +233,29 @@ def _outputs(acc, token, fallback, n: _Nodes, tok, par, run, active, greedy_out,
       lambda g, t: jnp.where(pick.reshape((-1,) + (1,) * (g.ndim - 1)), g, t), greedy_out, tv)
 
 
+def _alpha_after(delta, a):
+  """A node's alpha after rejecting a child whose pass summed to Delta, its alpha before
+  being a: Delta / (Delta + 1 - a) (0 where that is not positive)."""
+  den = delta + 1.0 - a
+  return jnp.where(den > 0.0, delta / jnp.where(den > 0.0, den, 1.0), 0.0)
+
+
+def _r_after(r, a, q, delta):
+  """A node's r at one later child's token x after rejecting a child: max(a r(x) - q'(x),
+  0) / Delta, with q = q'(x) of the rejected child's distribution."""
+  return jnp.maximum(a * r - q, 0.0) / jnp.where(delta > 0.0, delta, 1.0)
+
+
 def _after_rejection(delta, a_c, here, at_c, later, q_v, alpha, rk, a_rej, d_rej):
   """The walk's state after rejecting node v at its parent c (Delta ``delta``, c's alpha
   ``a_c``), as vectors over the nodes (``here``: v's lane, ``at_c``: c's, ``later``:
   c's later usable children, ``q_v``: q'_v at each node's token): c's new alpha, v's
-  record, and c's new r at its later children's tokens. The kernel and the reference
-  share it, so their decisions are the same arithmetic."""
-  den = delta + 1.0 - a_c
-  new_a = jnp.where(den > 0.0, delta / jnp.where(den > 0.0, den, 1.0), 0.0)
-  alpha = jnp.where(at_c, new_a, alpha)
+  record, and c's new r at its later children's tokens. The reference's; the kernel
+  shares its two scalar steps (``_alpha_after``, ``_r_after``)."""
+  alpha = jnp.where(at_c, _alpha_after(delta, a_c), alpha)
   a_rej = jnp.where(here, a_c, a_rej)
   d_rej = jnp.where(here, delta, d_rej)
-  rk = jnp.where(later, jnp.maximum(a_c * rk - q_v, 0.0)
-                 / jnp.where(delta > 0.0, delta, 1.0), rk)
+  rk = jnp.where(later, _r_after(rk, a_c, q_v, delta), rk)
   return alpha, rk, a_rej, d_rej
 
 
@@ -372,166 +384,196 @@ def traversal_sample_reference(
 
 
 # --------------------------------------------------------------------------------------
-# Pallas kernel (Triton path): one program per row walks its tree.
+# Pallas kernels (Triton path): every node's pass in rounds, parents before children, then
+# the walk (XLA, scalars only) and the draw at the accepted node.
 # --------------------------------------------------------------------------------------
 
+# Fields of the per-node state the passes write ([B, N+1, 2] float32).
+_ENTRY, _BEFORE = range(2)  # alpha_k when the walk enters k; its parent's alpha before k
+_NUM_FIELDS = 2
 
-def _traversal_kernel(run_ref, tok_ref, par_ref, qr_ref, usable_ref, qn_ref, qtok_ref,
-                      ptok_ref, pmass_ref, u_ref, p_ref, q_ref, out_ref, *, num_nodes,
-                      num_nodes_pad, max_depth, max_children, vocab_size, block):
-  """Program b: row b's accepted node, drawn token and fallback flag (``_ACCEPTED`` ..),
-  written whatever they are (0, PAD_TOKEN, 0 for a row that does not run)."""
-  b = pl.program_id(0)
-  run = run_ref[b] != 0
-  num_blocks = _common.cdiv(vocab_size, block)
-  zero_f = jnp.float32(0.0)
-  nodes = jnp.arange(num_nodes_pad, dtype=jnp.int32)
-  in_tree = nodes < num_nodes
-  tok = plgpu.load(tok_ref.at[b, nodes], mask=in_tree, other=-1)
-  par = plgpu.load(par_ref.at[b, nodes], mask=in_tree, other=-1)
-  e = plgpu.load(qr_ref.at[b, nodes], mask=in_tree, other=0)
-  usable = plgpu.load(usable_ref.at[b, nodes], mask=in_tree, other=0)
-  q_norm = plgpu.load(qn_ref.at[b, nodes], mask=in_tree, other=1.0)
-  q_tok = plgpu.load(qtok_ref.at[b, nodes], mask=in_tree, other=0.0)
-  p_tok = plgpu.load(ptok_ref.at[b, nodes], mask=in_tree, other=0.0)
-  p_mass = plgpu.load(pmass_ref.at[b, nodes], mask=in_tree, other=0.0)
-  coins = plgpu.load(u_ref.at[b, nodes], mask=in_tree, other=1.0)
-  final_coin = u_ref[b, num_nodes]
-  present = in_tree & (nodes > 0) & (par >= 0) & (par < nodes)
-  valid = present & (tok >= 0) & (tok < vocab_size)
-  valid_i32 = valid.astype(jnp.int32)
-  safe_qn = jnp.where(q_norm > 0.0, q_norm, 1.0)
-  q_prime = jnp.where(q_norm > 0.0, q_tok / safe_qn, 0.0)
 
-  def sibling_slots(c, upto, deleted, a_rej, d_rej):
-    """The scalars of c's first ``max_children`` children below node index `upto`, in
-    node order, read once per pass (not once per block): per slot, whether it is a
-    rejected child, its parent's alpha and Delta at its rejection, its q' mass, its
-    token and whether that token is excluded from the later siblings' q'."""
-    kids = present & (par == c) & (nodes < upto)
-    rank = jnp.cumsum(kids.astype(jnp.int32)) - 1
-    slots = []
-    for j in range(max_children):
-      lane = jnp.min(jnp.where(kids & (rank == j), nodes, _NO_INDEX))
-      has = lane < _NO_INDEX
-      lane = jnp.where(has, lane, 0)
-      slots.append((has & (_pick(deleted, nodes, lane) != 0), _pick(a_rej, nodes, lane),
-                    _inverse(_pick(d_rej, nodes, lane)), _inverse(_pick(q_norm, nodes, lane)),
-                    _pick(tok, nodes, lane), has & (_pick(valid_i32, nodes, lane) != 0)))
-    return slots
+class _Schedule(NamedTuple):
+  """The order of a row's passes, from the tree alone (``_schedule``)."""
 
-  def residual_block(cols, inv_mass, c, slots, q_block, live):
-    """r_c at `cols` after the rejected children of ``slots`` (the reference's
-    ``residual``), and the columns of their tokens; ``q_block``: the block of c's q row
-    (its children's, loaded once for all of them)."""
-    pv = _as_prob(plgpu.load(p_ref.at[b, c, cols], mask=live & (cols < vocab_size),
-                             other=0.0))
-    r = pv * inv_mass
-    excl = jnp.zeros(cols.shape, jnp.int32)
-    for rejected, a_j, inv_d_j, inv_qn_j, tok_j, hit in slots:  # static: max_children
-      qv = jnp.where(excl != 0, 0.0, q_block) * inv_qn_j
-      r = jnp.where(rejected, jnp.maximum(a_j * r - qv, 0.0) * inv_d_j, r)
-      excl = excl | jnp.where(hit & (cols == tok_j), 1, 0)
-    return r, excl
+  kids: jax.Array  # int32 [B, N+1, K]: node c's first K present children by index (-1)
+  round: jax.Array  # int32 [B, N+1]: the launch that makes a usable node's pass (-1: none)
+  last_kid: jax.Array  # int32 [B, N+1]: node c's last usable child (-1: none)
+  in_subtree: jax.Array  # bool [B, N+1, N+1]: [b, v, u]: u is v or below it
 
-  def descend(alpha, rk, deleted):
-    def step(_, carry):
-      v, alpha = carry
-      kids = (usable != 0) & (deleted == 0) & (par == v) & (nodes > 0)
-      k = jnp.min(jnp.where(kids, nodes, _NO_INDEX))
-      has = k < _NO_INDEX
-      k = jnp.where(has, k, 0)
-      qk = _pick(q_prime, nodes, k)
-      a_k = jnp.minimum(1.0, _pick(alpha, nodes, v) * _pick(rk, nodes, k)
-                        / jnp.where(has, qk, 1.0))
-      unset = _pick(alpha, nodes, k) < 0.0
-      alpha = jnp.where(has & unset & (nodes == k), a_k, alpha)
-      return jnp.where(has, k, v), alpha
 
-    return lax.fori_loop(_I0, np.int32(max_depth), step, (jnp.int32(0), alpha))
+def _schedule(par, n: _Nodes, run, max_depth: int, max_children: int) -> _Schedule:
+  """When each node's pass can run. Node k's pass (its Delta over the vocabulary) needs
+  its parent c's alpha when the walk enters k, i.e. c's entry alpha (fixed when c's own
+  pass runs) and the passes of k's earlier siblings. So k's round is its parent's round
+  plus its rank among its siblings plus 1, summed down its path: at most
+  max_depth x max_children, and at most N (each unit is a distinct node)."""
+  batch, n1 = par.shape
+  nodes = jnp.arange(n1, dtype=jnp.int32)
+  present = (nodes > 0) & (par >= 0) & (par < nodes)
+  safe_par = jnp.where(present, par, 0)
+  child = present[:, None, :] & (par[:, None, :] == nodes[None, :, None])  # [B, c, k]
+  rank = jnp.cumsum(child.astype(jnp.int32), axis=2) - 1
+  kids = jnp.stack([jnp.min(jnp.where(child & (rank == j), nodes, _NO_INDEX), axis=2)
+                    for j in range(max_children)], axis=-1)
+  kids = jnp.where(kids < _NO_INDEX, kids, -1).astype(jnp.int32)
+  last_kid = jnp.max(jnp.where(child & n.usable[:, None, :], nodes, -1), axis=2)
+  own_rank = jnp.sum(jnp.where(child, rank, 0), axis=1)  # [B, k]
+  usable = n.usable & (nodes > 0)
+  rounds = jnp.zeros((batch, n1), jnp.int32)
+  eye = jnp.broadcast_to(nodes[:, None] == nodes[None, :], (batch, n1, n1))
+  in_subtree = eye
+  for _ in range(max_depth + 1):  # static, small: a node of depth d settles by step d
+    rounds = jnp.where(usable, jnp.take_along_axis(rounds, safe_par, axis=1) + own_rank + 1,
+                       0)
+    above = jnp.take_along_axis(in_subtree, jnp.broadcast_to(safe_par[:, None, :],
+                                                             (batch, n1, n1)), axis=2)
+    in_subtree = eye | (present[:, None, :] & above)
+  rounds = jnp.where(usable & run[:, None], rounds, -1)
+  return _Schedule(kids, rounds.astype(jnp.int32), last_kid.astype(jnp.int32), in_subtree)
 
-  def test(_, carry):
-    alpha, rk, deleted, a_rej, d_rej, done, acc = carry
-    v, alpha_d = descend(alpha, rk, deleted)
-    alpha = jnp.where(done, alpha, alpha_d)
-    accept = ~done & ((v == 0) | (_pick(coins, nodes, v) < _pick(alpha, nodes, v)))
-    reject = ~done & ~accept
-    c = jnp.where(reject, _pick(par, nodes, v), 0)
-    a_c = _pick(alpha, nodes, c)
-    e_v = _pick(e, nodes, v)
-    qn_v = _pick(safe_qn, nodes, v)
-    inv_qn_v = _inverse(qn_v)
-    inv_mass_c = _inverse(_pick(p_mass, nodes, c))
-    slots = sibling_slots(c, v, deleted, a_rej, d_rej)
 
-    def delta_pass(kb, total):
-      cols = kb * block + jnp.arange(block, dtype=jnp.int32)
-      live = cols < vocab_size
-      q_block = _as_prob(plgpu.load(q_ref.at[b, e_v, cols], mask=live, other=0.0))
-      r, excl = residual_block(cols, inv_mass_c, c, slots, q_block, live)
-      qv = jnp.where(excl != 0, 0.0, q_block) * inv_qn_v
-      return total + jnp.sum(jnp.maximum(a_c * r - qv, 0.0))
+class _Slot(NamedTuple):
+  """One child of a node, as a pass over the node's vocabulary sees it."""
 
-    delta = lax.fori_loop(_I0, _trips(reject, num_blocks), delta_pass, zero_f)
-    here = reject & (nodes == v)
-    later = reject & (usable != 0) & (deleted == 0) & (par == c) & (nodes > v)
-    alpha, rk, a_rej, d_rej = _after_rejection(
-        delta, a_c, here, reject & (nodes == c), later, q_tok / qn_v, alpha, rk, a_rej, d_rej)
-    deleted = jnp.where(here, 1, deleted)
-    acc = jnp.where(~done & accept, v, acc)
-    return alpha, rk, deleted, a_rej, d_rej, done | accept, acc
+  rejected: jax.Array  # bool: a usable child, rejected before the pass
+  alpha: jax.Array  # f32: the node's alpha when the child was rejected
+  delta: jax.Array  # f32: the child's Delta
+  inv_delta: jax.Array  # f32: 1 / Delta (1 where Delta is 0)
+  q_norm: jax.Array  # f32: the q' mass the child was drawn from (1 where not positive)
+  token: jax.Array  # int32
+  excludes: jax.Array  # bool: a valid token, missing from the later children's q'
 
-  zeros = jnp.zeros((num_nodes_pad,), jnp.float32)
-  init = (jnp.where(nodes == 0, 1.0, -1.0).astype(jnp.float32), p_tok,
-          jnp.zeros((num_nodes_pad,), jnp.int32), zeros, zeros, ~run, jnp.int32(0))
-  # Until the first acceptance: each node is tested at most once, and after the accepted
-  # one no state is read but the draw's.
-  def walking(carry):
-    i, (_, _, _, _, _, done, _) = carry
-    return (i < num_nodes) & ~done
 
-  _, (_, _, deleted, a_rej, d_rej, _, acc) = lax.while_loop(
-      walking, lambda carry: (carry[0] + 1, test(*carry)), (jnp.int32(0), init))
+def _slots(b, c, upto, alpha_c, kids_ref, usable_ref, valid_ref, tok_ref, qn_ref,
+           partial_ref, *, max_children: int, num_blocks: int):
+  """Node c's first ``max_children`` present children below node index ``upto``, and c's
+  alpha after the usable ones were rejected (from ``alpha_c``, its entry alpha). A
+  child's Delta is the sum of its pass's block partials (an earlier round's)."""
+  blocks = jnp.arange(_common.next_power_of_2(num_blocks), dtype=jnp.int32)
+  a = alpha_c
+  slots = []
+  for j in range(max_children):  # static: the tree's K
+    i = kids_ref[b, c, j]
+    take = (i >= 0) & (i < upto)
+    i = jnp.where(take, i, 0)
+    rejected = take & (usable_ref[b, i] != 0)
+    delta = jnp.sum(plgpu.load(partial_ref.at[b, i, blocks],
+                               mask=rejected & (blocks < num_blocks), other=0.0))
+    qn = qn_ref[b, i]
+    slots.append(_Slot(rejected, a, delta, _inverse(delta), jnp.where(qn > 0.0, qn, 1.0),
+                       tok_ref[b, i], take & (valid_ref[b, i] != 0)))
+    a = jnp.where(rejected, _alpha_after(delta, a), a)
+  return slots, a
 
-  # The draw at the accepted node: r's mass, then its inverse CDF (or p's, on fallback).
-  first_kid = jnp.min(jnp.where(present & (par == acc), nodes, _NO_INDEX))
-  has_kids = first_kid < _NO_INDEX
-  e_acc = _pick(e, nodes, jnp.where(has_kids, first_kid, 0))
 
-  acc_slots = sibling_slots(acc, num_nodes, deleted, a_rej, d_rej)
-  inv_mass_acc = _inverse(_pick(p_mass, nodes, acc))
+def _residual_block(pv, inv_mass, cols, slots, q_block):
+  """r of a node at columns ``cols`` after its rejected children in ``slots`` (the
+  reference's ``residual``): from its p block ``pv`` and the block of its children's q
+  row (loaded once for all of them); and the columns of their tokens. No scratch memory:
+  r <- max(a_j r - q'_j, 0) / Delta_j, child by child, in registers."""
+  r = pv * inv_mass
+  excl = jnp.zeros(cols.shape, jnp.int32)
+  for s in slots:  # static: max_children
+    qv = jnp.where(excl != 0, 0.0, q_block) * (1.0 / s.q_norm)
+    r = jnp.where(s.rejected, jnp.maximum(s.alpha * r - qv, 0.0) * s.inv_delta, r)
+    excl = excl | jnp.where(s.excludes & (cols == s.token), 1, 0)
+  return r, excl
 
-  def acc_residual(cols, live):
-    q_block = _as_prob(plgpu.load(q_ref.at[b, e_acc, cols], mask=live & has_kids, other=0.0))
-    r, _ = residual_block(cols, inv_mass_acc, acc, acc_slots, q_block, live)
-    return r
 
-  def mass_pass(kb, total):
-    cols = kb * block + jnp.arange(block, dtype=jnp.int32)
-    return total + jnp.sum(acc_residual(cols, cols < vocab_size))
+def _pass_kernel(t_ref, round_ref, par_ref, tok_ref, qr_ref, usable_ref, valid_ref, kids_ref,
+                 qn_ref, qtok_ref, ptok_ref, pmass_ref, p_ref, q_ref, entry_in_ref,
+                 partial_in_ref, entry_ref, partial_ref, *, max_children, vocab_size, block,
+                 num_blocks):
+  """Program (b, k, kb), in round t: if node k's pass is due (``_schedule``), the sum of
+  max(a r - q'_k, 0) over vocabulary block kb (a, r: k's parent's alpha and residual
+  when the walk reaches k), and, from block 0's program, k's entry alpha and a. Reads
+  earlier rounds' results only (``entry_in_ref``, ``partial_in_ref``; aliased to the
+  outputs); writes nothing when k is not due."""
+  b, k, kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-  mass = lax.fori_loop(_I0, _trips(run, num_blocks), mass_pass, zero_f)
-  fallback = ~(mass > 0.0)
-  total = jnp.where(fallback, _pick(p_mass, nodes, acc), mass)
-  draw = run & (total > 0.0)
+  @pl.when(round_ref[b, k] == t_ref[0])
+  def _():
+    c = par_ref[b, k]
+    slots, a = _slots(b, c, k, entry_in_ref[b, c, _ENTRY], kids_ref, usable_ref, valid_ref,
+                      tok_ref, qn_ref, partial_in_ref, max_children=max_children,
+                      num_blocks=num_blocks)
 
-  def draw_pass(kb, carry):
+    @pl.when(kb == 0)
+    def _():
+      q_tok = qtok_ref[b, k]
+      r_tok = ptok_ref[b, k]  # r of c at k's token, after each earlier sibling
+      for s in slots:
+        r_tok = jnp.where(s.rejected, _r_after(r_tok, s.alpha, q_tok / s.q_norm, s.delta),
+                          r_tok)
+      qn_k = qn_ref[b, k]
+      alpha_k = jnp.minimum(1.0, a * r_tok / (q_tok / jnp.where(qn_k > 0.0, qn_k, 1.0)))
+      fields = jnp.arange(_NUM_FIELDS, dtype=jnp.int32)
+      plgpu.store(entry_ref.at[b, k, fields], jnp.where(fields == _ENTRY, alpha_k, a))
+
     cols = kb * block + jnp.arange(block, dtype=jnp.int32)
     live = cols < vocab_size
-    r = acc_residual(cols, live & ~fallback)
-    pv = _as_prob(plgpu.load(p_ref.at[b, acc, cols], mask=live & fallback, other=0.0))
-    return _common.inverse_cdf_block(carry, cols, jnp.where(fallback, pv, r),
-                                     final_coin * total)
+    q_block = _as_prob(plgpu.load(q_ref.at[b, qr_ref[b, k], cols], mask=live, other=0.0))
+    pv = _as_prob(plgpu.load(p_ref.at[b, c, cols], mask=live, other=0.0))
+    r, excl = _residual_block(pv, _inverse(pmass_ref[b, c]), cols, slots, q_block)
+    qv = jnp.where(excl != 0, 0.0, q_block) * _inverse(qn_ref[b, k])
+    partial_ref[b, k, kb] = jnp.sum(jnp.maximum(a * r - qv, 0.0))
 
-  drawn = _common.inverse_cdf_token(lax.fori_loop(
-      _I0, _trips(draw, num_blocks), draw_pass, _common.inverse_cdf_init()))
-  uniform_token = jnp.minimum((final_coin * vocab_size).astype(jnp.int32), vocab_size - 1)
-  drawn = jnp.where(drawn >= 0, drawn, uniform_token)
-  field = jnp.arange(_OUT, dtype=jnp.int32)
-  out = jnp.where(field == _ACCEPTED, jnp.where(run, acc, 0),
-                  jnp.where(field == _TOKEN, jnp.where(run, drawn, PAD_TOKEN),
-                            jnp.where(field == _FALLBACK, _count(run & fallback), 0)))
-  plgpu.store(out_ref.at[b, field], out.astype(jnp.int32))
+
+def _draw_kernel(acc_ref, flags_ref, start_ref, target_ref, kids_ref, usable_ref, valid_ref,
+                 tok_ref, qr_ref, qn_ref, pmass_ref, p_ref, q_ref, entry_ref, partial_ref,
+                 out_ref, *, max_children, vocab_size, block, num_blocks, num_nodes):
+  """Program b: the inverse-CDF draw at row b's accepted node from its final r (after
+  all its usable children were rejected), or from its p (``flags`` fallback), starting at
+  the block that the blocks' masses (the passes' partials) put the target in; -1 where
+  the row does not draw."""
+  b = pl.program_id(0)
+  acc = acc_ref[b]
+  draw = (flags_ref[b, 0] != 0)
+  fallback = flags_ref[b, 1] != 0
+  slots, _ = _slots(b, acc, num_nodes, entry_ref[b, acc, _ENTRY], kids_ref, usable_ref,
+                    valid_ref, tok_ref, qn_ref, partial_ref, max_children=max_children,
+                    num_blocks=num_blocks)
+  first_kid = kids_ref[b, acc, 0]
+  has_kids = first_kid >= 0
+  e = qr_ref[b, jnp.where(has_kids, first_kid, 0)]
+  inv_mass = _inverse(pmass_ref[b, acc])
+  target = target_ref[b, 1]
+
+  def more(carry):
+    kb, (_, found, _) = carry
+    return draw & (kb < num_blocks) & (found == _NO_INDEX)
+
+  def step(carry):
+    kb, cdf = carry
+    cols = kb * block + jnp.arange(block, dtype=jnp.int32)
+    live = cols < vocab_size
+    pv = _as_prob(plgpu.load(p_ref.at[b, acc, cols], mask=live, other=0.0))
+    q_block = _as_prob(plgpu.load(q_ref.at[b, e, cols], mask=live & has_kids & ~fallback,
+                                  other=0.0))
+    r, _ = _residual_block(pv, inv_mass, cols, slots, q_block)
+    return kb + 1, _common.inverse_cdf_block(cdf, cols, jnp.where(fallback, pv, r), target)
+
+  _, cdf = lax.while_loop(
+      more, step, (start_ref[b], _common.inverse_cdf_init(before=target_ref[b, 0])))
+  out_ref[b] = _common.inverse_cdf_token(cdf)
+
+
+def _block_config(vocab_size: int, gpu: _common.GpuTarget) -> tuple[int, int]:
+  """(BLOCK, num_warps) of both kernels (the draw reads the passes' block partials, so
+  they share the width). A round's grid is B x (N+1) x blocks, of which only the due
+  nodes' programs work, so a round costs about a launch: on an H200 (32 nodes, 128256
+  columns, 24 rounds) 1024 to 8192 columns at 4 to 16 warps all measured 177-205 us per
+  call; 4096 at 8 warps (16 per thread) was the fastest. AMD: 1024 at 8 waves (2 per
+  lane): the draw's loop carries every sibling slot's scalars, and at 2048 x 8 (or
+  1024 x 4) it spilled 12-19 SGPRs on gfx942 and gfx950; 1024 x 8 spills none
+  (scripts/rocm_compile.py). Not measured on AMD hardware. Smaller for a small
+  vocabulary."""
+  if gpu.platform == "rocm":
+    block = min(1024, _common.next_power_of_2(vocab_size))
+    return block, min(8, max(4, block // 128))
+  block = min(4096, _common.next_power_of_2(vocab_size))
+  return block, min(8, max(4, block // 512))
 
 
 def traversal_sample(
@@ -546,7 +588,7 @@ def traversal_sample(
   real q (``draft_probs`` [B, E, V] and ``q_row`` [B, N+1] are required); greedy rows
   take the target's argmax path (``tree_sampler``'s kernel, run for those rows only).
   ``max_children`` (static): the most children a node has (the draft tree's K; None: N);
-  the kernel unrolls that many sibling slots, and a node with more earlier siblings is
+  the kernels unroll that many sibling slots, and a node with more earlier siblings is
   not tested.
   """
   supported = (
@@ -566,27 +608,91 @@ def traversal_sample(
   p = p.astype(jnp.float32)
   q = q.astype(jnp.float32)
   run = active & ~greedy
-  batch, num_nodes = tok.shape
-  default_block, default_warps = tree_sampler._block_config(  # noqa: SLF001
-      vocab_size, batch, _common.resolve_target(target))
+  batch, n1 = tok.shape
+  default_block, default_warps = _block_config(vocab_size, _common.resolve_target(target))
   block = block_v or default_block
   if block & (block - 1):
     raise ValueError(f"block {block} must be a power of two")
-  out = pl.pallas_call(
-      functools.partial(
-          _traversal_kernel, num_nodes=num_nodes,
-          num_nodes_pad=_common.next_power_of_2(num_nodes), max_depth=max_depth,
-          max_children=max_children, vocab_size=vocab_size, block=block),
-      out_shape=jax.ShapeDtypeStruct((batch, _OUT), jnp.int32),
-      grid=(batch,),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_warps,
-                                           num_stages=1),
-      interpret=_common.resolve_interpret(interpret),
-      name="traversal_sampler",
-  )(run.astype(jnp.int32), tok, par, n.q_row, n.usable.astype(jnp.int32), n.q_norm,
-    n.q_tok, n.p_tok, n.p_mass, u, p, q)
+  num_blocks = _common.cdiv(vocab_size, block)
+  sched = _schedule(par, n, run, max_depth, max_children)
+  nodes = jnp.arange(n1, dtype=jnp.int32)
+  present = (nodes > 0) & (par >= 0) & (par < nodes)
+  valid = present & (tok >= 0) & (tok < vocab_size)
+  usable = n.usable.astype(jnp.int32)
+  kernel_args = dict(max_children=max_children, vocab_size=vocab_size, block=block,
+                     num_blocks=num_blocks)
+  params = plgpu.CompilerParams(num_warps=num_warps or default_warps, num_stages=1)
+  interpret = _common.resolve_interpret(interpret)
+
+  # 1. Every usable node's pass, in rounds (``_schedule``): entry alphas and Delta partials.
+  state_shapes = (jax.ShapeDtypeStruct((batch, n1, _NUM_FIELDS), jnp.float32),
+                  jax.ShapeDtypeStruct((batch, n1, num_blocks), jnp.float32))
+  passes = pl.pallas_call(
+      functools.partial(_pass_kernel, **kernel_args), out_shape=state_shapes,
+      grid=(batch, n1, num_blocks), input_output_aliases={14: 0, 15: 1},
+      compiler_params=params, interpret=interpret, name="traversal_sampler")
+  node_args = (sched.round, par, tok, n.q_row, usable, valid.astype(jnp.int32), sched.kids,
+               n.q_norm, n.q_tok, n.p_tok, n.p_mass, p, q)
+  entry = jnp.zeros((batch, n1, _NUM_FIELDS), jnp.float32).at[:, 0, _ENTRY].set(1.0)
+  partial = jnp.zeros((batch, n1, num_blocks), jnp.float32)
+  num_rounds = min(n1 - 1, max_depth * max_children)
+  entry, partial = lax.fori_loop(
+      1, num_rounds + 1,
+      lambda t, state: passes(jnp.full((1,), t, jnp.int32), *node_args, *state),
+      (entry, partial))
+
+  # 2. The walk: every node's test alpha is its alpha after its usable children were
+  # rejected; the accepted node is the first in post-order whose coin is below it (the
+  # root: always), found by descending into the first child whose subtree holds one.
+  delta = jnp.sum(partial, axis=-1)
+  last = jnp.maximum(sched.last_kid, 0)
+  alpha_last = _alpha_after(jnp.take_along_axis(delta, last, axis=1),
+                            jnp.take_along_axis(entry[..., _BEFORE], last, axis=1))
+  alpha_test = jnp.where(sched.last_kid >= 0, alpha_last, entry[..., _ENTRY])
+  accept = (nodes == 0) | (n.usable & (u[:, :n1] < alpha_test))
+  holds = jnp.any(sched.in_subtree & accept[:, None, :], axis=2)
+  acc = jnp.zeros((batch,), jnp.int32)
+  for _ in range(max_depth):  # static
+    down = n.usable & holds & (par == acc[:, None]) & (nodes > 0)
+    first = jnp.min(jnp.where(down, nodes, _NO_INDEX), axis=1)
+    acc = jnp.where(first < _NO_INDEX, first, acc)
+
+  # 3. The draw at the accepted node. Its final r is w / Delta of its last usable child's
+  # pass (a leaf's: p / its mass), so the blocks' masses are that pass's partials; with
+  # no mass, p of the node (fallback), whose block masses are summed here.
+  rows = jnp.arange(batch)
+  last_acc = sched.last_kid[rows, acc]
+  has_kids = last_acc >= 0
+  delta_acc = delta[rows, jnp.maximum(last_acc, 0)]
+  mass_acc = n.p_mass[rows, acc]
+  fallback = ~(jnp.where(has_kids, delta_acc, mass_acc) > 0.0)
+  in_vocab = jnp.arange(num_blocks * block) < vocab_size
+  p_acc = jnp.pad(p[rows, acc], ((0, 0), (0, num_blocks * block - p.shape[-1])))
+  p_blocks = jnp.sum(jnp.where(in_vocab, _as_prob(p_acc), 0.0).reshape(
+      batch, num_blocks, block), axis=-1)
+  r_blocks = jnp.where(has_kids[:, None],
+                       partial[rows, jnp.maximum(last_acc, 0)] * _inverse(delta_acc)[:, None],
+                       p_blocks * _inverse(mass_acc)[:, None])
+  blocks_mass = jnp.where(fallback[:, None], p_blocks, r_blocks)
+  total = jnp.sum(blocks_mass, axis=1)
+  coin = u[:, n1]
+  goal = coin * total
+  reach = jnp.cumsum(blocks_mass, axis=1)
+  start = jnp.argmax(reach * _common.CDF_SLACK >= goal[:, None], axis=1).astype(jnp.int32)
+  before = jnp.take_along_axis(reach - blocks_mass, start[:, None], axis=1)[:, 0]
+  draws = run & (total > 0.0)
+  drawn = pl.pallas_call(
+      functools.partial(_draw_kernel, num_nodes=n1, **kernel_args),
+      out_shape=jax.ShapeDtypeStruct((batch,), jnp.int32), grid=(batch,),
+      compiler_params=params, interpret=interpret, name="traversal_draw",
+  )(acc, jnp.stack([draws, fallback], axis=1).astype(jnp.int32), start,
+    jnp.stack([before, goal], axis=1), sched.kids, usable, valid.astype(jnp.int32), tok,
+    n.q_row, n.q_norm, n.p_mass, p, q, entry, partial)
+  uniform_token = jnp.minimum((coin * vocab_size).astype(jnp.int32), vocab_size - 1)
+  token = jnp.where(drawn >= 0, drawn, uniform_token)
+
   greedy_out = tree_sampler.tree_speculative_sample(
       tok, par, None, None, p, greedy, u, vocab_size, active & greedy, max_depth=max_depth,
       interpret=interpret, target=target, block_v=block_v, num_warps=num_warps)
-  return _outputs(out[:, _ACCEPTED], out[:, _TOKEN], out[:, _FALLBACK], n, tok, par, run,
-                  active, greedy_out, greedy, max_depth)
+  return _outputs(acc, token, (run & fallback).astype(jnp.int32), n, tok, par, run, active,
+                  greedy_out, greedy, max_depth)
