@@ -23,6 +23,7 @@ ALPHA = 1e-3  # false-alarm rate of each goodness-of-fit test
     (1, 8, 6, 16, 13, 2, 4, None),
     (2, 6, 7, 40, 37, 3, 8, 2),
     (3, 6, 12, 64, 50, 5, 16, 3),
+    (4, 4, 6, 48, 20, 3, 16, 2),  # padding columns past the last vocabulary block
 ])
 def test_random_trees_kernel_matches_reference(seed, batch, num_nodes, num_cols, vocab,
                                                max_depth, block, max_children):

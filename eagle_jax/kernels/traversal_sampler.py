@@ -520,16 +520,17 @@ def _pass_kernel(t_ref, round_ref, par_ref, tok_ref, qr_ref, usable_ref, valid_r
     partial_ref[b, k, kb] = jnp.sum(jnp.maximum(a * r - qv, 0.0))
 
 
-def _draw_kernel(acc_ref, flags_ref, start_ref, target_ref, kids_ref, usable_ref, valid_ref,
+def _draw_kernel(acc_ref, flags_ref, start_ref, cdf_ref, kids_ref, usable_ref, valid_ref,
                  tok_ref, qr_ref, qn_ref, pmass_ref, p_ref, q_ref, entry_ref, partial_ref,
                  out_ref, *, max_children, vocab_size, block, num_blocks, num_nodes):
   """Program b: the inverse-CDF draw at row b's accepted node from its final r (after
-  all its usable children were rejected), or from its p (``flags`` fallback), starting at
-  the block that the blocks' masses (the passes' partials) put the target in; -1 where
-  the row does not draw."""
+  all its usable children were rejected), or from its p (``flags_ref[b]``: draws,
+  fallback), starting at block ``start_ref[b]``, where the blocks' masses (the passes'
+  partials) put the target (``cdf_ref[b]``: the mass before that block, the target);
+  -1 where the row does not draw."""
   b = pl.program_id(0)
   acc = acc_ref[b]
-  draw = (flags_ref[b, 0] != 0)
+  draw = flags_ref[b, 0] != 0
   fallback = flags_ref[b, 1] != 0
   slots, _ = _slots(b, acc, num_nodes, entry_ref[b, acc, _ENTRY], kids_ref, usable_ref,
                     valid_ref, tok_ref, qn_ref, partial_ref, max_children=max_children,
@@ -538,7 +539,7 @@ def _draw_kernel(acc_ref, flags_ref, start_ref, target_ref, kids_ref, usable_ref
   has_kids = first_kid >= 0
   e = qr_ref[b, jnp.where(has_kids, first_kid, 0)]
   inv_mass = _inverse(pmass_ref[b, acc])
-  target = target_ref[b, 1]
+  target = cdf_ref[b, 1]
 
   def more(carry):
     kb, (_, found, _) = carry
@@ -555,7 +556,7 @@ def _draw_kernel(acc_ref, flags_ref, start_ref, target_ref, kids_ref, usable_ref
     return kb + 1, _common.inverse_cdf_block(cdf, cols, jnp.where(fallback, pv, r), target)
 
   _, cdf = lax.while_loop(
-      more, step, (start_ref[b], _common.inverse_cdf_init(before=target_ref[b, 0])))
+      more, step, (start_ref[b], _common.inverse_cdf_init(before=cdf_ref[b, 0])))
   out_ref[b] = _common.inverse_cdf_token(cdf)
 
 
@@ -666,8 +667,10 @@ def traversal_sample(
   delta_acc = delta[rows, jnp.maximum(last_acc, 0)]
   mass_acc = n.p_mass[rows, acc]
   fallback = ~(jnp.where(has_kids, delta_acc, mass_acc) > 0.0)
-  in_vocab = jnp.arange(num_blocks * block) < vocab_size
-  p_acc = jnp.pad(p[rows, acc], ((0, 0), (0, num_blocks * block - p.shape[-1])))
+  width = num_blocks * block  # the blocks' columns: p's may end before or after them
+  p_acc = p[rows, acc, :width]
+  p_acc = jnp.pad(p_acc, ((0, 0), (0, width - p_acc.shape[-1])))
+  in_vocab = jnp.arange(width) < vocab_size
   p_blocks = jnp.sum(jnp.where(in_vocab, _as_prob(p_acc), 0.0).reshape(
       batch, num_blocks, block), axis=-1)
   r_blocks = jnp.where(has_kids[:, None],
