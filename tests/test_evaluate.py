@@ -248,14 +248,16 @@ def test_sweep_settings():
     assert got[2:6] == ["S=6 K=4 N=32 T=1 target_only", "S=6 K=4 N=32 T=1 recursive_rejection",
                         "S=6 K=4 N=16 T=1 target_only", "S=6 K=4 N=16 T=1 recursive_rejection"]
     assert len(got) == 2 + 2 * 2 * 2 * 2 and got[-1] == "S=4 K=2 N=16 T=1 recursive_rejection"
-    # Defaults: chains only, S + 1 verified; a tree's N left to the engine (32).
+    # Defaults: chains only, S + 1 verified; a tree's N left to the engine (32), its
+    # sampled rows verified by traversal.
     args = ev.build_parser().parse_args(["--speculative-eagle-topk", "1,4", "--num-steps", "6"])
     assert ev._settings(args) == [ev.Setting(6, "probabilistic"),
-                                  ev.Setting(6, None, 4, None, "recursive_rejection")]
+                                  ev.Setting(6, None, 4, None, "traversal")]
     cfg = ev._engine_config(args, "target", "draft", "EAGLE3", ev._settings(args)[1])
-    assert (cfg.num_draft_tokens, cfg.speculative_policy) == (32, "fixed")
+    assert (cfg.num_draft_tokens, cfg.speculative_policy, cfg.tree_verify) == (
+        32, "fixed", "traversal")
     assert ev._settings(args)[1].label(0.0, num_verify_tokens=32) == (
-        "S=6 K=4 N=32 T=0 recursive_rejection")
+        "S=6 K=4 N=32 T=0 traversal")
 
 
 def test_tree_flags_checked_before_running(pair, capsys):
