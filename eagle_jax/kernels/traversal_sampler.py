@@ -140,6 +140,8 @@ _inverse = tree_sampler._inverse  # noqa: SLF001
 class _Nodes(NamedTuple):
   """Per-node scalars of a row's walk (``_node_scalars``), each [B, N+1]."""
 
+  present: jax.Array  # bool: node k > 0 whose parent is in [0, k)
+  valid: jax.Array  # bool: present, with a token in [0, vocab_size)
   usable: jax.Array  # bool: node 0, and nodes reached through usable parents that are
   #                    well formed (``Guards``) and no deeper than max_depth
   malformed: jax.Array  # bool: set aside for a malformed q' (counted)
@@ -196,7 +198,8 @@ def _node_scalars(tok, par, q_row, q, q_ok, p, vocab_size: int, max_depth: int,
   pm_par = jnp.take_along_axis(p_mass, safe_par, axis=1)
   p_at = _as_prob(p[rows, safe_par, safe_tok].astype(jnp.float32))
   p_tok = jnp.where(pm_par > 0.0, p_at / jnp.where(pm_par > 0.0, pm_par, 1.0), 0.0)
-  return _Nodes(usable, malformed, depth, e.astype(jnp.int32), q_norm, q_tok, p_tok, p_mass)
+  return _Nodes(present, valid, usable, malformed, depth, e.astype(jnp.int32), q_norm, q_tok,
+                p_tok, p_mass)
 
 
 def _outputs(acc, token, fallback, n: _Nodes, tok, par, run, active, greedy_out,
@@ -265,8 +268,7 @@ def _walk_row(n: _Nodes, tok, par, q, p, u, run, *, vocab_size: int, max_depth: 
   nodes = jnp.arange(num_nodes, dtype=jnp.int32)
   cols = jnp.arange(num_cols, dtype=jnp.int32)
   in_vocab = cols < vocab_size
-  present = (nodes > 0) & (par >= 0) & (par < nodes)
-  valid = present & (tok >= 0) & (tok < vocab_size)
+  present, valid = n.present, n.valid
   p = jnp.where(in_vocab, _as_prob(p.astype(jnp.float32)), 0.0)
   q = jnp.where(in_vocab, _as_prob(q.astype(jnp.float32)), 0.0)
   q_prime = jnp.where(n.q_norm > 0.0, n.q_tok / jnp.where(n.q_norm > 0.0, n.q_norm, 1.0), 0.0)
@@ -410,9 +412,8 @@ def _schedule(par, n: _Nodes, run, max_depth: int, max_children: int) -> _Schedu
   max_depth x max_children, and at most N (each unit is a distinct node)."""
   batch, n1 = par.shape
   nodes = jnp.arange(n1, dtype=jnp.int32)
-  present = (nodes > 0) & (par >= 0) & (par < nodes)
-  safe_par = jnp.where(present, par, 0)
-  child = present[:, None, :] & (par[:, None, :] == nodes[None, :, None])  # [B, c, k]
+  safe_par = jnp.where(n.present, par, 0)
+  child = n.present[:, None, :] & (par[:, None, :] == nodes[None, :, None])  # [B, c, k]
   rank = jnp.cumsum(child.astype(jnp.int32), axis=2) - 1
   kids = jnp.stack([jnp.min(jnp.where(child & (rank == j), nodes, _NO_INDEX), axis=2)
                     for j in range(max_children)], axis=-1)
@@ -428,7 +429,7 @@ def _schedule(par, n: _Nodes, run, max_depth: int, max_children: int) -> _Schedu
                        0)
     above = jnp.take_along_axis(in_subtree, jnp.broadcast_to(safe_par[:, None, :],
                                                              (batch, n1, n1)), axis=2)
-    in_subtree = eye | (present[:, None, :] & above)
+    in_subtree = eye | (n.present[:, None, :] & above)
   rounds = jnp.where(usable & run[:, None], rounds, -1)
   return _Schedule(kids, rounds.astype(jnp.int32), last_kid.astype(jnp.int32), in_subtree)
 
@@ -617,8 +618,7 @@ def traversal_sample(
   num_blocks = _common.cdiv(vocab_size, block)
   sched = _schedule(par, n, run, max_depth, max_children)
   nodes = jnp.arange(n1, dtype=jnp.int32)
-  present = (nodes > 0) & (par >= 0) & (par < nodes)
-  valid = present & (tok >= 0) & (tok < vocab_size)
+  valid = n.valid.astype(jnp.int32)
   usable = n.usable.astype(jnp.int32)
   kernel_args = dict(max_children=max_children, vocab_size=vocab_size, block=block,
                      num_blocks=num_blocks)
@@ -632,7 +632,7 @@ def traversal_sample(
       functools.partial(_pass_kernel, **kernel_args), out_shape=state_shapes,
       grid=(batch, n1, num_blocks), input_output_aliases={14: 0, 15: 1},
       compiler_params=params, interpret=interpret, name="traversal_sampler")
-  node_args = (sched.round, par, tok, n.q_row, usable, valid.astype(jnp.int32), sched.kids,
+  node_args = (sched.round, par, tok, n.q_row, usable, valid, sched.kids,
                n.q_norm, n.q_tok, n.p_tok, n.p_mass, p, q)
   entry = jnp.zeros((batch, n1, _NUM_FIELDS), jnp.float32).at[:, 0, _ENTRY].set(1.0)
   partial = jnp.zeros((batch, n1, num_blocks), jnp.float32)
@@ -689,7 +689,7 @@ def traversal_sample(
       out_shape=jax.ShapeDtypeStruct((batch,), jnp.int32), grid=(batch,),
       compiler_params=params, interpret=interpret, name="traversal_draw",
   )(acc, jnp.stack([draws, fallback], axis=1).astype(jnp.int32), start,
-    jnp.stack([before, goal], axis=1), sched.kids, usable, valid.astype(jnp.int32), tok,
+    jnp.stack([before, goal], axis=1), sched.kids, usable, valid, tok,
     n.q_row, n.q_norm, n.p_mass, p, q, entry, partial)
   uniform_token = jnp.minimum((coin * vocab_size).astype(jnp.int32), vocab_size - 1)
   token = jnp.where(drawn >= 0, drawn, uniform_token)
