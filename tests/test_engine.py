@@ -260,18 +260,32 @@ def test_precompile_logprobs_leaves_nothing_to_compile_for_a_logprobs_request(
 
 def test_first_token_returns_before_its_first_decode_step_is_dispatched(models, engines):
     """A request reaching an idle engine gets its first token from the call that ran its
-    prefill; that call dispatches no decode step (its launch would delay the token), the
-    next call does. Later tokens still equal the target's greedy ones."""
-    calls = []
+    prefill, which writes it to the host's pinned memory itself; that call dispatches no
+    decode step (its launch would delay the token), the next call does. Later tokens
+    still equal the target's greedy ones."""
+    calls, prefilled = [], []
+
+    def compile_fn(name, fn, example_args, donate_argnums):
+        compiled = jit_compile(name, fn, example_args, donate_argnums)
+
+        def call(*args):
+            calls.append(name)
+            out = compiled(*args)
+            if name == "prefill":
+                prefilled.append(out[1].token)
+            return out
+        return call
+
     engine = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
-                                 **{**BASE, "precompile": False}),
-                    compile_fn=_call_recording(lambda name, args: calls.append(name)))
+                                 **{**BASE, "precompile": False}), compile_fn=compile_fn)
     prompt = _prompts(1, seed=43)[0]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine.add_request("a", prompt, params)
     outs = engine.step()
     assert [len(o.new_token_ids) for o in outs] == [1] and calls == ["prefill"]
     tokens = outs[0].new_token_ids
+    assert prefilled[0].sharding.memory_kind == "pinned_host"
+    assert int(np.asarray(prefilled[0])[0]) == tokens[0]
     engine.step()
     assert "step" in calls
     while engine.has_unfinished_requests():

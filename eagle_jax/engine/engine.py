@@ -582,17 +582,30 @@ class Engine:
 
     def prefill_function(self, with_logprobs: bool = False) -> Callable:
         """The pure prefill: ``(target_params, draft_params, state, chunks, slot changes)
-        -> (state, PrefillOutput)`` (``step_lib.prefill_chunks``). The engine compiles it
+        -> (state, PrefillOutput)`` (``step_lib.prefill_chunks``), its first tokens in
+        the host's pinned memory (``_first_token_sharding``). The engine compiles it
         with ``state`` donated."""
         tg, dg = self._target_graph, self._draft_graph
+        host = self._first_token_sharding()
 
         def run(target_params, draft_params, state, chunks, slots):
-            return step_lib.prefill_chunks(_merge(tg, target_params),
-                                           _merge(dg, draft_params), state, chunks, slots,
-                                           vocab_size=self.vocab_size,
-                                           with_logprobs=with_logprobs)
+            state, out = step_lib.prefill_chunks(_merge(tg, target_params),
+                                                 _merge(dg, draft_params), state, chunks,
+                                                 slots, vocab_size=self.vocab_size,
+                                                 with_logprobs=with_logprobs)
+            return state, out._replace(token=jax.device_put(out.token, host))
 
         return run
+
+    def _first_token_sharding(self):
+        """Where a prefill leaves its first tokens: the host's pinned memory, written by
+        the executable itself as soon as they are sampled. Copied out after the
+        executable instead, a first token reached the host 0.3 ms later on an H200 (the
+        copy waits for the whole executable, then the host learns of it twice: once to
+        start the copy, once when it is done; docs/BENCHMARKS.md, 2026-12-04)."""
+        if self.mesh is not None:
+            return NamedSharding(self.mesh, P(), memory_kind="pinned_host")
+        return SingleDeviceSharding(self.devices[0], memory_kind="pinned_host")
 
     # ---------------------------------------------------------- chunk shapes
     # A forward's chunks are compiled shapes, so they come from a small set, and the
@@ -1117,7 +1130,7 @@ class Engine:
         self.state, out = self._prefill_fn(num, size, with_logprobs)(
             self._target_params, self._draft_params, self.state, chunks,
             self._take_slot_updates())
-        out.token.copy_to_host_async()  # read next: its copy queues behind the prefill
+        out.token.copy_to_host_async()  # read next: its conversion queues behind the prefill
         self._num_prefill_runs += 1
         by_slot = {r.slot: r for r in reqs}
         self._commit_first_tokens([(i, by_slot[slot]) for i, slot in enumerate(
