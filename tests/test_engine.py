@@ -57,15 +57,19 @@ def _prompts(n, seed=0, lo=3, hi=40, vocab=300):
     return [[int(t) for t in rng.integers(7, vocab, int(rng.integers(lo, hi)))] for _ in range(n)]
 
 
-def _call_recording(record):
+def _call_recording(record, returned=None):
     """A ``CompileFn`` of ``jit_compile``'s executables whose every call first does
-    ``record(executable name, call arguments)``."""
+    ``record(executable name, call arguments)`` and, with ``returned``, then
+    ``returned(executable name, its outputs)``."""
     def compile_fn(name, fn, example_args, donate_argnums):
         compiled = jit_compile(name, fn, example_args, donate_argnums)
 
         def call(*args):
             record(name, args)
-            return compiled(*args)
+            out = compiled(*args)
+            if returned is not None:
+                returned(name, out)
+            return out
         return call
     return compile_fn
 
@@ -264,18 +268,9 @@ def test_first_token_returns_before_its_first_decode_step_is_dispatched(models, 
     decode step (its launch would delay the token), the next call does. Later tokens
     still equal the target's greedy ones."""
     calls, prefilled = [], []
-
-    def compile_fn(name, fn, example_args, donate_argnums):
-        compiled = jit_compile(name, fn, example_args, donate_argnums)
-
-        def call(*args):
-            calls.append(name)
-            out = compiled(*args)
-            if name == "prefill":
-                prefilled.append(out[1].token)
-            return out
-        return call
-
+    compile_fn = _call_recording(
+        lambda name, args: calls.append(name),
+        lambda name, out: prefilled.append(out[1].token) if name == "prefill" else None)
     engine = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
                                  **{**BASE, "precompile": False}), compile_fn=compile_fn)
     prompt = _prompts(1, seed=43)[0]

@@ -1130,7 +1130,7 @@ class Engine:
         self.state, out = self._prefill_fn(num, size, with_logprobs)(
             self._target_params, self._draft_params, self.state, chunks,
             self._take_slot_updates())
-        out.token.copy_to_host_async()  # read next: its conversion queues behind the prefill
+        out.token.copy_to_host_async()  # read next: asked for now, made once it is written
         self._num_prefill_runs += 1
         by_slot = {r.slot: r for r in reqs}
         self._commit_first_tokens([(i, by_slot[slot]) for i, slot in enumerate(
