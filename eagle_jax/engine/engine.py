@@ -583,29 +583,21 @@ class Engine:
     def prefill_function(self, with_logprobs: bool = False) -> Callable:
         """The pure prefill: ``(target_params, draft_params, state, chunks, slot changes)
         -> (state, PrefillOutput)`` (``step_lib.prefill_chunks``), its first tokens in
-        the host's pinned memory (``_first_token_sharding``). The engine compiles it
-        with ``state`` donated."""
+        the host's pinned memory. The engine compiles it with ``state`` donated."""
         tg, dg = self._target_graph, self._draft_graph
-        host = self._first_token_sharding()
 
         def run(target_params, draft_params, state, chunks, slots):
             state, out = step_lib.prefill_chunks(_merge(tg, target_params),
                                                  _merge(dg, draft_params), state, chunks,
                                                  slots, vocab_size=self.vocab_size,
                                                  with_logprobs=with_logprobs)
-            return state, out._replace(token=jax.device_put(out.token, host))
+            # The executable writes the first tokens to the host as soon as they are
+            # sampled. Copied out after it instead, a first token reached the host 0.3 ms
+            # later on an H200: the copy waits for the whole executable, and the host
+            # learns of it twice (docs/BENCHMARKS.md, 2026-12-04).
+            return state, out._replace(token=jax.device_put(out.token, jax.memory.Space.Host))
 
         return run
-
-    def _first_token_sharding(self):
-        """Where a prefill leaves its first tokens: the host's pinned memory, written by
-        the executable itself as soon as they are sampled. Copied out after the
-        executable instead, a first token reached the host 0.3 ms later on an H200 (the
-        copy waits for the whole executable, then the host learns of it twice: once to
-        start the copy, once when it is done; docs/BENCHMARKS.md, 2026-12-04)."""
-        if self.mesh is not None:
-            return NamedSharding(self.mesh, P(), memory_kind="pinned_host")
-        return SingleDeviceSharding(self.devices[0], memory_kind="pinned_host")
 
     # ---------------------------------------------------------- chunk shapes
     # A forward's chunks are compiled shapes, so they come from a small set, and the
