@@ -15,7 +15,9 @@ The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3 draft of ``bench_engine.py``
    A fresh prompt of the hit's computed length (``fresh``) shows what the hit costs
    beyond its own tokens (attention over the cached prefix), and miss / fresh is the
    most the ratio can reach: a hit computes those positions too, so it is never faster
-   than the fresh prompt.
+   than the fresh prompt. A third request on the prefix (``third``) is a hit after a
+   hit: a hit right after its miss also pays XLA's update of the prefill's CUDA graph,
+   whose buffers the miss's larger chunks moved.
 2. **Streams while a long prompt arrives**: ``--streams`` requests decode; once every
    stream has its first token (all running: their own prompts' prefill is not what is
    measured) and ``--arrive-after`` steps more, a ``--long``-token prompt arrives. For
@@ -125,7 +127,7 @@ def ttft_rows(engines: dict, args, vocab: int) -> list[dict]:
         warm = [int(t) for t in rng.integers(10, vocab, args.prefix + args.suffix)]
         _first_token_time(engine, f"{name}-warm", warm, n)
         _first_token_time(engine, f"{name}-warm-hit", warm[:args.prefix] + warm[:args.suffix], n)
-        miss, hit, cached, fresh = [], [], [], []
+        miss, hit, third, cached, fresh = [], [], [], [], []
         for r in range(args.repeats):
             prefix = [int(t) for t in rng.integers(10, vocab, args.prefix)]
             suffix = lambda: [int(t) for t in rng.integers(10, vocab, args.suffix)]  # noqa: E731
@@ -133,12 +135,17 @@ def ttft_rows(engines: dict, args, vocab: int) -> list[dict]:
             before = engine.prefix_cache_hits
             hit.append(_first_token_time(engine, f"{name}-h{r}", prefix + suffix(), n))
             cached.append(engine.prefix_cache_hits - before)
+            # A hit whose last prefill ran the same executable: right after the miss's
+            # larger chunks, XLA updates the prefill's CUDA graph first (its buffers
+            # moved), after a hit it does not (docs/BENCHMARKS.md, 2026-12-04).
+            third.append(_first_token_time(engine, f"{name}-t{r}", prefix + suffix(), n))
             computed = args.prefix + args.suffix - cached[-1]
             fresh.append(_first_token_time(engine, f"{name}-f{r}", [
                 int(t) for t in rng.integers(10, vocab, computed)], n))
         row = dict(engine=name, prefix=args.prefix, suffix=args.suffix, max_tokens=n,
                    miss_ttft_ms=1e3 * statistics.median(miss),
                    second_ttft_ms=1e3 * statistics.median(hit),
+                   third_ttft_ms=1e3 * statistics.median(third),
                    cached_tokens=int(statistics.median(cached)),
                    fresh_ttft_ms=1e3 * statistics.median(fresh))
         row["ratio"] = row["miss_ttft_ms"] / row["second_ttft_ms"]
@@ -322,14 +329,14 @@ def main(argv=None):
         print(json.dumps(result["streams"][-1]), flush=True)
         del eng
     print(f"\nTime to first token, requests of max_tokens={args.ttft_max_tokens}:")
-    print("| engine | TTFT miss (ms) | TTFT second request (ms) | cached tokens | "
-          "miss / second | TTFT fresh prompt of the computed length (ms) | "
+    print("| engine | TTFT miss (ms) | TTFT second request (ms) | TTFT third request (ms) | "
+          "cached tokens | miss / second | TTFT fresh prompt of the computed length (ms) | "
           "miss / fresh (the ratio's ceiling) |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in result["ttft"]:
         print(f"| {r['engine']} | {r['miss_ttft_ms']:.1f} | {r['second_ttft_ms']:.1f} | "
-              f"{r['cached_tokens']} | {r['ratio']:.1f}x | {r['fresh_ttft_ms']:.1f} | "
-              f"{r['ratio_ceiling']:.1f}x |")
+              f"{r['third_ttft_ms']:.1f} | {r['cached_tokens']} | {r['ratio']:.1f}x | "
+              f"{r['fresh_ttft_ms']:.1f} | {r['ratio_ceiling']:.1f}x |")
     for r in result["ttft"]:
         print(f"{r['engine']}, second request: " + ", ".join(
             f"{k} {v:.2f}" for k, v in r["hit_phases"].items()))
