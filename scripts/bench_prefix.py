@@ -135,9 +135,10 @@ def ttft_rows(engines: dict, args, vocab: int) -> list[dict]:
             before = engine.prefix_cache_hits
             hit.append(_first_token_time(engine, f"{name}-h{r}", prefix + suffix(), n))
             cached.append(engine.prefix_cache_hits - before)
-            # A hit whose last prefill ran the same executable: right after the miss's
-            # larger chunks, XLA updates the prefill's CUDA graph first (its buffers
-            # moved), after a hit it does not (docs/BENCHMARKS.md, 2026-12-04).
+            # A hit after a hit. Right after its miss, whose 512-position chunks ran
+            # just before the 128-position prefill's last run, XLA first updates that
+            # prefill's CUDA graph (its buffers lie elsewhere now); after a hit it does
+            # not (docs/BENCHMARKS.md, 2026-12-04, third session).
             third.append(_first_token_time(engine, f"{name}-t{r}", prefix + suffix(), n))
             computed = args.prefix + args.suffix - cached[-1]
             fresh.append(_first_token_time(engine, f"{name}-f{r}", [
