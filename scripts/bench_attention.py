@@ -244,8 +244,12 @@ def main():
       configs += [dict(num_splits=1)] + [dict(num_splits=x, min_split=max(256, kv_n // x))
                                          for x in (2, 4, 8, 16)]
       # Latency-bound loops: deeper pipelines and other tile heights, at the heuristic's
-      # splits.
-      configs += [dict(num_stages=3), dict(num_stages=4), dict(block_q=16), dict(block_q=64)]
+      # splits. Below 5 stages Triton (3.8, sm_90) keeps one K/V buffer when the page ids
+      # are loaded in the tile that uses them, so 5 is the first depth that overlaps a
+      # tile's gathers with the dots before it (docs/BENCHMARKS.md, 2026-12-04).
+      configs += [dict(num_stages=3), dict(num_stages=4), dict(num_stages=5),
+                  dict(block_n=64, num_stages=3), dict(block_n=64, num_stages=4),
+                  dict(block_q=16), dict(block_q=64)]
     elif args.sweep and name not in ("tree", "prefill"):  # tree verify: as verify
       s = default.num_splits
       configs += [dict(block_n=32), dict(block_n=128), dict(num_warps=12 - default.num_warps),
