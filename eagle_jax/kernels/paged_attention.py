@@ -230,7 +230,9 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   16, 4 warps) takes 80 registers and 38 KiB of shared memory, the verify tile (BLOCK_Q =
   32) 140 registers, without spills. On an H200 (2026-11-30, scripts/bench_attention.py
   --sweep) the S + 1 = 6 verify tile ran in 0.357 ms at 4 warps against 0.484 ms at 8
-  (B = 64, 4096 keys each); 2 stages (1: 26% slower; 3: no gain).
+  (B = 64, 4096 keys each); 2 stages (1: 26% slower; 3: no gain: below 5 stages Triton
+  gives the gathered K / V tile one shared buffer behind its page-table load, so no
+  gather overlaps the dots; docs/BENCHMARKS.md, 2026-12-04, fourth session).
   BLOCK_N, AMD (wavefront 64): half that, 32 keys (16 for D > 128). Compiled for gfx942
   and gfx950 at 64 keys (Llama-3.1-8B and Qwen3-32B shapes, scripts/rocm_compile.py),
   the verify tiles take 226-254 VGPRs (2 waves per SIMD), the tree-verify tile 251-275
@@ -259,7 +261,7 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   against 168-179 us; in the engine the hit's time to first token fell 0.3-0.6 ms
   (docs/BENCHMARKS.md, "Issue 14, 2026-12-03, second session"); a 64-token chunk over
   4096 keys, 66-82 against 65-69 us, gains nothing. From 8192 keys on, 2 stages were
-  5-8% slower and 64-key tiles 14-22%. The tile takes 202 registers and 82 KiB of
+  5-8% slower and 64-key tiles 14-22%. The tile takes 202 registers and 80.5 KiB of
   shared memory on sm_90 without spills (scripts/rocm_compile.py's cubin). On gfx942
   / gfx950 the 64-key form of that tile (half the keys, as below) compiles without
   spills in 232-254 VGPRs (2 waves per SIMD, against 3 for the AMD rule's), 3 stages
