@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from eagle_jax.kernels._common import GPU_TARGETS
-from eagle_jax.kernels.paged_attention import paged_attention, paged_attention_reference
+from eagle_jax.kernels.paged_attention import (
+    max_pool_pages, paged_attention, paged_attention_reference)
 
 # The package exports the function under the module's name.
 pa_mod = importlib.import_module("eagle_jax.kernels.paged_attention")
@@ -313,3 +314,23 @@ def test_jit_and_non_power_of_two_head_dim():
                                                     d=80, page_size=8, dtype=f32)
   out = jax.jit(paged_attention)(q, kp, vp, table, kv_len, q_len)
   _check(out, paged_attention_reference(q, kc, vc, table, kv_len, q_len), [2, 1], f32)
+
+
+def test_paged_attention_refuses_a_pool_past_its_32_bit_offsets():
+  """A pool array of more than 2**31 elements is a ValueError at trace time (the
+  kernel's int32 offsets would wrap), one at the limit traces; shapes only, nothing is
+  allocated."""
+  page, k, d = 16, 2, 64
+  most = max_pool_pages(page, k, d)
+  assert most * page * k * d <= 2**31 < (most + 1) * page * k * d
+  spec = jax.ShapeDtypeStruct
+
+  def trace(num_pages):
+    pool = spec((num_pages, page, k, d), jnp.bfloat16)
+    return jax.eval_shape(
+        paged_attention, spec((1, 1, 4, d), jnp.bfloat16), pool, pool,
+        spec((1, 8), jnp.int32), spec((1,), jnp.int32), spec((1,), jnp.int32))
+
+  assert trace(most).shape == (1, 1, 4, d)
+  with pytest.raises(ValueError, match=f"more than the {most} the kernel's 32-bit offsets"):
+    trace(most + 1)

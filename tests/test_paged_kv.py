@@ -4,6 +4,8 @@ leaked, on tiny models (float32, CPU, kernels interpreted)."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -153,6 +155,21 @@ def test_pool_plan_from_a_budget():
         plan_pool(max_model_len=None, budget=100, **kw)
 
 
+def test_pool_plan_keeps_within_the_attention_kernels_page_limit():
+    """``max_num_pages`` (the kernel's addressing limit) caps the pool whatever the
+    budget: the default max_model_len follows the capped pool, an explicit one it cannot
+    hold is an error naming the limit, and a budget under the limit is unchanged."""
+    kw = dict(model_limit=1000, num_slots=4, page_size=16, step_tokens=6, bytes_per_token=100,
+              unbudgeted_max_model_len=500)
+    budget = 40 * 16 * 100  # 40 pages
+    assert plan_pool(max_model_len=None, budget=budget, max_num_pages=30, **kw) == (
+        30 * 16 - 12, 30, 30)
+    assert plan_pool(max_model_len=None, budget=budget, max_num_pages=41, **kw) == (628, 40, 40)
+    assert plan_pool(max_model_len=100, budget=None, max_num_pages=10, **kw) == (100, 10, 7)
+    with pytest.raises(ValueError, match="at most 30 pages .the attention kernel's limit"):
+        plan_pool(max_model_len=600, budget=budget, max_num_pages=30, **kw)
+
+
 # ----------------------------------------------------------------------------- engine
 
 BASE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, batch_buckets=(4,),
@@ -284,6 +301,32 @@ def test_no_page_leaks_after_many_random_requests(models):
     stats = engine.scheduler_stats()
     assert stats.kv_cache_usage == 0.0 and stats.num_running == stats.num_waiting == 0
     assert stats.prefix_cache_hits > 0 and engine.page_allocator.num_cached > 0
+
+
+def test_engine_sizes_its_pool_within_the_attention_kernels_limit(models, monkeypatch, caplog):
+    """The engine passes the kernel's page limit (``max_pool_pages`` of each model's pool
+    shape) to its pool plan. A real limit needs pools of 2**31 elements, so the limit is
+    lowered here: a budget past it gets a pool of exactly the limit, logged."""
+    from eagle_jax.engine import engine as engine_module
+    from eagle_jax.kernels import paged_attention
+
+    shapes = []
+
+    def limit(page_size, heads, dim):
+        shapes.append((page_size, heads, dim))
+        return 24
+
+    monkeypatch.setattr(engine_module, "max_pool_pages", limit)
+    probe = _engine(models, "EAGLE3", precompile=False)
+    with caplog.at_level(logging.INFO, logger="eagle_jax.engine"):
+        engine = _engine(models, "EAGLE3", kv_cache_memory=_pool_bytes(probe, 40 * 4),
+                         max_model_len=None, precompile=False)
+    assert engine.num_pages == 24 and engine.max_model_len == 24 * 4 - 2 * engine.step_tokens
+    assert "the most the attention kernel's 32-bit offsets address" in caplog.text
+    # One limit per pool shape: the target's and the draft's.
+    tgt, dft = engine.target.config, engine.draft.config
+    assert shapes[-2:] == [(4, tgt.num_kv_heads, tgt.head_dim), (4, dft.num_kv_heads, dft.head_dim)]
+    assert paged_attention.max_pool_pages(4, tgt.num_kv_heads, tgt.head_dim) > 10**6
 
 
 def test_explicit_max_model_len_beyond_the_pool_is_an_error(models):

@@ -49,6 +49,7 @@ from eagle_jax.engine.page_allocator import (
     OutOfPages, PageAllocator, page_hashes, pages_for, plan_pool)
 from eagle_jax.engine.types import (
     RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
+from eagle_jax.kernels.paged_attention import max_pool_pages
 from eagle_jax.models.decoder import Decoder, load_decoder
 from eagle_jax.models.layers import KVPages
 from eagle_jax.sampling import SamplingParams, SamplingRows
@@ -363,22 +364,25 @@ class Engine:
                 self.draft.max_positions, limit, self.draft.max_positions)
         return limit
 
-    def _bytes_per_token(self) -> int:
-        """KV bytes of one position on each device: the target's layers plus the draft's.
-
-        Tensor-parallel over N devices, a device stores the target's pool kv heads
-        (``num_kv_heads * kv_replicas``) / N of them, so a per-device budget holds up to
-        N times the tokens; the draft's pool is replicated, whole on every device."""
+    def _pool_shapes(self) -> list[tuple[int, int, int]]:
+        """(layers, kv heads, head dim) of each model's KV pool on one device: the target's,
+        then the draft's. Tensor-parallel over N devices, a device stores the target's
+        pool kv heads (``num_kv_heads * kv_replicas``) / N of them, so a per-device budget
+        holds up to N times the tokens; the draft's pool is replicated, whole on every
+        device."""
         cfg = self.model_config
-        per_token = KVPages.bytes_per_token(
-            cfg.num_layers,
-            self.target.pool_kv_heads // parallel.tensor_parallel_size(self.mesh),
-            cfg.head_dim, self.dtype)
+        shapes = [(cfg.num_layers,
+                   self.target.pool_kv_heads // parallel.tensor_parallel_size(self.mesh),
+                   cfg.head_dim)]
         if self.draft is not None:
             c = self.draft.config
-            per_token += KVPages.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
-                                                 self.dtype)
-        return per_token
+            shapes.append((c.num_layers, c.num_kv_heads, c.head_dim))
+        return shapes
+
+    def _bytes_per_token(self) -> int:
+        """KV bytes of one position on each device: the target's layers plus the draft's."""
+        return sum(KVPages.bytes_per_token(layers, heads, dim, self.dtype)
+                   for layers, heads, dim in self._pool_shapes())
 
     def _kv_budget(self) -> int | None:
         """Bytes for the KV pool: ``kv_cache_memory``, else ``kv_cache_memory_fraction``
@@ -403,10 +407,17 @@ class Engine:
     def _size_pool(self) -> None:
         """Sets max_model_len, the pool's page count and the page table's width."""
         limit = self._model_limit()
+        addressable = min(max_pool_pages(self.page_size, heads, dim)
+                          for _, heads, dim in self._pool_shapes())
         plan = plan_pool(model_limit=limit, max_model_len=self.config.max_model_len,
                          num_slots=self.num_slots, page_size=self.page_size,
                          step_tokens=self.step_tokens, bytes_per_token=self._bytes_per_token(),
-                         budget=self._kv_budget(), unbudgeted_max_model_len=CPU_MAX_MODEL_LEN)
+                         budget=self._kv_budget(), unbudgeted_max_model_len=CPU_MAX_MODEL_LEN,
+                         max_num_pages=addressable)
+        if plan.num_pages == addressable:
+            logger.info("engine: KV pool of %d pages (%d tokens), the most the attention "
+                        "kernel's 32-bit offsets address at this page size and head shape",
+                        plan.num_pages, plan.num_pages * self.page_size)
         if self.config.max_model_len is None and plan.max_model_len < limit:
             logger.info("engine: max_model_len=%d (the target's limit %d capped by the KV pool "
                         "of %d tokens; set it to change)", plan.max_model_len, limit,

@@ -39,15 +39,16 @@ class PoolPlan(NamedTuple):
 
 def plan_pool(*, model_limit: int, max_model_len: int | None, num_slots: int, page_size: int,
               step_tokens: int, bytes_per_token: int, budget: int | None,
-              unbudgeted_max_model_len: int) -> PoolPlan:
+              unbudgeted_max_model_len: int, max_num_pages: int | None = None) -> PoolPlan:
     """The pool's size and the context limit, from a KV budget in bytes.
 
     A request's pages reach past its length by the step in flight and the step being
     dispatched (async scheduling reserves for both): 2 * step_tokens positions. Without
     a budget (a CPU) the pool holds every slot at max_model_len, which then defaults to
-    at most ``unbudgeted_max_model_len``. A pool that cannot hold one request of the
-    model's full length caps the default max_model_len; an explicit max_model_len it
-    cannot hold, or one past the model's limit, is an error naming the fix.
+    at most ``unbudgeted_max_model_len``. ``max_num_pages`` caps the pool whatever the
+    budget (the attention kernel's addressing limit). A pool that cannot hold one request
+    of the model's full length caps the default max_model_len; an explicit max_model_len
+    it cannot hold, or one past the model's limit, is an error naming the fix.
     """
     if max_model_len is not None and max_model_len > model_limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the target's limit of "
@@ -59,17 +60,23 @@ def plan_pool(*, model_limit: int, max_model_len: int | None, num_slots: int, pa
         num_pages = num_slots * pages_for(served + reach, page_size)
     else:
         num_pages = budget // (bytes_per_token * page_size)
-        fits = num_pages * page_size - reach
-        if fits < served and max_model_len is not None:
-            raise ValueError(
-                f"a KV budget of {budget / 2**30:.2f} GiB holds {max(fits, 0)} tokens, "
-                f"fewer than one request of max_model_len {max_model_len} "
-                f"({bytes_per_token / 2**10:.1f} KiB per token); raise kv_cache_memory / "
-                "kv_cache_memory_fraction or lower max_model_len")
-        if fits < 2:
-            raise ValueError(f"a KV budget of {budget / 2**20:.1f} MiB holds no request; "
-                             "raise kv_cache_memory / kv_cache_memory_fraction")
-        served = min(served, fits)
+    capped = max_num_pages is not None and num_pages > max_num_pages
+    if capped:
+        num_pages = max_num_pages
+    fits = num_pages * page_size - reach
+    if fits < served and max_model_len is not None:
+        held = (f"a pool of at most {max_num_pages} pages (the attention kernel's limit at "
+                "this page size and head shape)" if capped else
+                f"a KV budget of {budget / 2**30:.2f} GiB")
+        raise ValueError(
+            f"{held} holds {max(fits, 0)} tokens, fewer than one request of max_model_len "
+            f"{max_model_len} ({bytes_per_token / 2**10:.1f} KiB per token); "
+            + ("lower max_model_len" if capped else "raise kv_cache_memory / "
+               "kv_cache_memory_fraction or lower max_model_len"))
+    if fits < 2:
+        raise ValueError(f"a KV budget of {budget / 2**20:.1f} MiB holds no request; "
+                         "raise kv_cache_memory / kv_cache_memory_fraction")
+    served = min(served, fits)
     return PoolPlan(served, int(num_pages), pages_for(served + reach, page_size))
 
 

@@ -61,7 +61,10 @@ Bad input. Shape mismatches raise ValueError at trace time. kv_len and q_len are
 caller's contract, but never cause an out-of-bounds read: kv_len is clamped into [0,
 max_pages * page_size], q_len into [0, T], page-table columns into [0, max_pages) and
 page ids into [0, P). Unsupported dtypes or head sizes, and backends without a Triton
-lowering (TPU), take the pure-jnp reference, which is also the engine's fallback.
+lowering (TPU), take the pure-jnp reference, which is also the engine's fallback. The
+kernel addresses a pool with 32-bit element offsets (Triton's pointer offsets are int32),
+so a pool array of more than 2**31 elements is a ValueError naming the page limit
+(``max_pool_pages``), never a wrapped offset; the engine sizes its pool within it.
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ _M_FLOOR = -1e30
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
 _MAX_HEAD_DIM = 256
+# Elements one pool array may hold: the kernel's offsets into [P * page_size * K, D] are
+# int32, and the largest, P * page_size * K * D - 1, must not wrap.
+_MAX_POOL_ELEMENTS = 2**31
 
 
 # --------------------------------------------------------------------------------------
@@ -124,6 +130,14 @@ def _check_inputs(q, k_pages, v_pages, page_table, kv_len, q_len, block_mask):
 
 def _scale(sm_scale, head_dim):
   return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def max_pool_pages(page_size: int, kv_heads: int, head_dim: int) -> int:
+  """The most pages a [P, page_size, kv_heads, head_dim] pool may have for the kernel to
+  address it. Reached only by small models on large GPUs: at K = 8, D = 64 it is 262144
+  pages of 16 positions (4 GiB of bfloat16 per layer for K, as much for V), where
+  Llama-3.2-1B given 0.75 of a 288 GB MI355X would otherwise get ~6.2M positions."""
+  return _MAX_POOL_ELEMENTS // (page_size * kv_heads * head_dim)
 
 
 # --------------------------------------------------------------------------------------
@@ -609,6 +623,11 @@ def paged_attention(
   if not supported:
     return paged_attention_reference(q, k_pages, v_pages, page_table, kv_len, q_len,
                                      block_mask=block_mask, sm_scale=sm_scale)
+  if num_pages > max_pool_pages(page_size, k, d):
+    raise ValueError(
+        f"k_pages has {num_pages} pages of {page_size} x {k} x {d}: more than the "
+        f"{max_pool_pages(page_size, k, d)} the kernel's 32-bit offsets address; give the "
+        "pool fewer pages (the engine sizes its pool within this)")
   cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size,
                      gpu=_common.resolve_target(target), block_q=block_q, block_n=block_n,
                      num_splits=num_splits, min_split=min_split, num_warps=num_warps,

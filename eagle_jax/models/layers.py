@@ -164,8 +164,9 @@ class KVPages(NamedTuple):
     """One model's paged KV pool: per layer, k and v of shape [num_pages, page_size, K, D].
 
     One array per layer (not one stacked [L, ...] array): a layer's pool is passed to the
-    attention kernel whole, never sliced (no copy), and no element offset inside one
-    array reaches 2**31 at any realistic pool size.
+    attention kernel whole, never sliced (no copy), and its element offsets stay within
+    the kernel's 32 bits (``paged_attention.max_pool_pages``, within which the engine
+    sizes the pool) where a stacked array's would not.
     """
 
     k: tuple[Array, ...]
