@@ -7,6 +7,8 @@ follow from the compiled resource use in docs/ROCM.md.
 import importlib
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from eagle_jax.kernels import _common
@@ -101,3 +103,14 @@ def test_amd_choices():
   assert sampler._block_sizes(128256, GFX942).chunk == 8192
   assert sampler._block_sizes(151936, GFX950).chunk == 8192
   assert sampler._block_sizes(1000, GFX950).chunk == 1024
+
+
+def test_arrays_past_the_kernels_int32_offsets_take_the_reference():
+  """An input of more than 2**31 elements (the Triton path's offsets are int32) sends a
+  kernel to its reference on any backend; None inputs are skipped; shapes only."""
+  limit = _common.MAX_INDEXED_ELEMENTS
+  at, past = (jax.ShapeDtypeStruct((limit // 1024, 1024), jnp.bfloat16),
+              jax.ShapeDtypeStruct((limit // 1024 + 1, 1024), jnp.bfloat16))
+  assert _common.kernel_backend_ok(None, at, None)
+  assert not _common.kernel_backend_ok(None, at, past)
+  assert not _common.kernel_backend_ok(False, past)  # a forced path too

@@ -1,9 +1,11 @@
 """Gathered LM head against hidden[rows] @ W.T (seed 000)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle_jax.kernels._common import MAX_INDEXED_ELEMENTS
 from eagle_jax.kernels.gathered_lm_head import gathered_lm_head, gathered_lm_head_reference
 
 
@@ -31,3 +33,18 @@ def test_out_of_range_rows_are_clamped():
   out = gathered_lm_head(h, rows, w)
   expect = np.asarray(h)[[0, 0, 5, 5, 5]] @ np.asarray(w).T
   np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_past_int32_offsets_takes_the_reference():
+  """A [V, H] weight of more than 2**31 elements runs as the reference's XLA dot, one at
+  the limit as the kernel (read from the traced program; shapes only, nothing allocated)."""
+
+  hidden = jax.ShapeDtypeStruct((8, 8192), jnp.bfloat16)
+  rows = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+  def program(vocab):
+    weight = jax.ShapeDtypeStruct((vocab, 8192), jnp.bfloat16)
+    return str(jax.make_jaxpr(gathered_lm_head)(hidden, rows, weight))
+
+  assert "pallas_call" in program(MAX_INDEXED_ELEMENTS // 8192)
+  assert "pallas_call" not in program(MAX_INDEXED_ELEMENTS // 8192 + 1)

@@ -9,6 +9,7 @@ wavefront 64 and the CU's LDS on AMD, warp 32 and the SM's shared memory on NVID
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple
 
 import jax
@@ -19,6 +20,11 @@ from jax import lax
 # jax.export refuses to serialise it unless told (it carries no compatibility
 # guarantee), see tests/test_kernels_export.py.
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+
+# Elements an array may hold for a kernel to index it: the Triton path's pointer offsets
+# are int32 (a kernel's row * width + column is computed in int32), so a larger array's
+# last elements would wrap to negative offsets, a silent wrong read.
+MAX_INDEXED_ELEMENTS = 2**31
 
 # Backends whose Pallas lowering is the Triton one (jax.default_backend() reports
 # both CUDA and ROCm as "gpu"), plus the CPU, where the kernels run interpreted.
@@ -131,13 +137,18 @@ def resolve_interpret(interpret: bool | None) -> bool:
   return default_interpret() if interpret is None else bool(interpret)
 
 
-def kernel_backend_ok(interpret: bool | None) -> bool:
-  """Whether the Pallas-Triton path may run here.
+def kernel_backend_ok(interpret: bool | None, *arrays) -> bool:
+  """Whether the Pallas-Triton path may run here, on ``arrays`` (the call's large inputs;
+  None entries are skipped).
 
   With ``interpret`` left automatic, only CPU and GPU backends qualify; a TPU (whose
   Pallas lowering is Mosaic, not Triton) takes the pure-jnp reference instead. An
-  explicit ``interpret`` is the caller forcing a path (export tests, benchmarks).
+  explicit ``interpret`` is the caller forcing a path (export tests, benchmarks). An
+  array of more than MAX_INDEXED_ELEMENTS takes the reference on any backend: its XLA
+  ops address it whole, where the kernel's int32 offsets would wrap.
   """
+  if any(a is not None and math.prod(jnp.shape(a)) > MAX_INDEXED_ELEMENTS for a in arrays):
+    return False
   if interpret is not None:
     return True
   return jax.default_backend() in _KERNEL_BACKENDS

@@ -202,7 +202,7 @@ def propose_from_probs(
   if d2t is not None and target_vocab_size is None:
     raise ValueError("target_vocab_size is required with d2t")
   supported = (
-      _common.kernel_backend_ok(interpret)
+      _common.kernel_backend_ok(interpret, q)
       and q.ndim == 2
       and (d2t is None or d2t.shape == q.shape[-1:])
   )

@@ -15,7 +15,9 @@ once, which is also the floor of projecting all N rows (see docs/BENCHMARKS.md).
 
 Out-of-range row indices are clamped to [0, N-1] (never an out-of-bounds read); the
 row they select is then garbage by the caller's own contract, but memory stays safe.
-JAX arrays are dense and row-major, so no contiguity guard is needed.
+JAX arrays are dense and row-major, so no contiguity guard is needed. A weight or hidden
+array past the kernel's int32 offsets (``_common.MAX_INDEXED_ELEMENTS``: V x H > 2**31,
+a 405B-class head unsharded) takes the reference, whose XLA dot addresses it whole.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def gathered_lm_head(
     [B, V] float32 logits.
   """
   supported = (
-      _common.kernel_backend_ok(interpret)
+      _common.kernel_backend_ok(interpret, hidden, weight)
       and hidden.ndim == 2 and weight.ndim == 2 and row_indices.ndim == 1
       and hidden.shape[1] == weight.shape[1]
       and hidden.dtype == weight.dtype

@@ -103,7 +103,7 @@ def rmsnorm_concat(
     [N, 2H] in the inputs' dtype.
   """
   supported = (
-      _common.kernel_backend_ok(interpret)
+      _common.kernel_backend_ok(interpret, embeds, hidden)
       and embeds.ndim == 2
       and embeds.shape == hidden.shape
       and embeds.dtype == hidden.dtype

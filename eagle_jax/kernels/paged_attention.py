@@ -90,9 +90,6 @@ _M_FLOOR = -1e30
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
 _MAX_HEAD_DIM = 256
-# Elements one pool array may hold: the kernel's offsets into [P * page_size * K, D] are
-# int32, and the largest, P * page_size * K * D - 1, must not wrap.
-_MAX_POOL_ELEMENTS = 2**31
 
 
 # --------------------------------------------------------------------------------------
@@ -137,7 +134,7 @@ def max_pool_pages(page_size: int, kv_heads: int, head_dim: int) -> int:
   address it. Reached only by small models on large GPUs: at K = 8, D = 64 it is 262144
   pages of 16 positions (4 GiB of bfloat16 per layer for K, as much for V), where
   Llama-3.2-1B given 0.75 of a 288 GB MI355X would otherwise get ~6.2M positions."""
-  return _MAX_POOL_ELEMENTS // (page_size * kv_heads * head_dim)
+  return _common.MAX_INDEXED_ELEMENTS // (page_size * kv_heads * head_dim)
 
 
 # --------------------------------------------------------------------------------------
@@ -614,6 +611,9 @@ def paged_attention(
   b, t, n, d, num_pages, page_size, k, max_pages = _check_inputs(
       q, k_pages, v_pages, page_table, kv_len, q_len, block_mask)
   dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+  # The pools are not given to kernel_backend_ok: past the kernel's offsets they raise
+  # below instead of taking the reference, whose dense gather of every sequence's whole
+  # table would cost gigabytes per layer.
   supported = (
       _common.kernel_backend_ok(interpret)
       and q.dtype in dtypes and k_pages.dtype == q.dtype and v_pages.dtype == q.dtype

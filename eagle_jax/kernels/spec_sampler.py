@@ -555,7 +555,7 @@ def speculative_sample(
   """
   args = (draft_tokens, draft_probs, target_logits, rows, uniforms, vocab_size, active)
   supported = (
-      _common.kernel_backend_ok(interpret)
+      _common.kernel_backend_ok(interpret, target_logits, draft_probs)
       and draft_tokens.ndim == 2 and draft_tokens.shape[1] >= 1
       and jnp.issubdtype(target_logits.dtype, jnp.floating)
       and (draft_probs is None or jnp.issubdtype(draft_probs.dtype, jnp.floating))

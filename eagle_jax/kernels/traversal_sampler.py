@@ -594,7 +594,7 @@ def traversal_sample(
   not tested.
   """
   supported = (
-      _common.kernel_backend_ok(interpret)
+      _common.kernel_backend_ok(interpret, target_probs, draft_probs)
       and jnp.ndim(node_tokens) == 2 and jnp.shape(node_tokens)[1] >= 1
       and jnp.issubdtype(jnp.result_type(target_probs), jnp.floating)
       and draft_probs is not None

@@ -697,7 +697,7 @@ def tree_speculative_sample(
           vocab_size, active)
   kwargs = dict(max_depth=max_depth, draft_probs_ok=draft_probs_ok, target_only=target_only)
   supported = (
-      _common.kernel_backend_ok(interpret)
+      _common.kernel_backend_ok(interpret, target_probs, draft_probs)
       and jnp.ndim(node_tokens) == 2 and jnp.shape(node_tokens)[1] >= 1
       and jnp.issubdtype(jnp.result_type(target_probs), jnp.floating)
       and (draft_probs is None or target_only
