@@ -38,7 +38,6 @@ def test_out_of_range_rows_are_clamped():
 def test_a_head_past_int32_offsets_takes_the_reference():
   """A [V, H] weight of more than 2**31 elements runs as the reference's XLA dot, one at
   the limit as the kernel (read from the traced program; shapes only, nothing allocated)."""
-
   hidden = jax.ShapeDtypeStruct((8, 8192), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((4,), jnp.int32)
 

@@ -65,14 +65,16 @@ def plan_pool(*, model_limit: int, max_model_len: int | None, num_slots: int, pa
         num_pages = max_num_pages
     fits = num_pages * page_size - reach
     if fits < served and max_model_len is not None:
-        held = (f"a pool of at most {max_num_pages} pages (the attention kernel's limit at "
-                "this page size and head shape)" if capped else
-                f"a KV budget of {budget / 2**30:.2f} GiB")
+        if capped:
+            held = (f"a pool of at most {max_num_pages} pages (the attention kernel's limit "
+                    "at this page size and head shape)")
+            fix = "lower max_model_len"
+        else:
+            held = f"a KV budget of {budget / 2**30:.2f} GiB"
+            fix = "raise kv_cache_memory / kv_cache_memory_fraction or lower max_model_len"
         raise ValueError(
             f"{held} holds {max(fits, 0)} tokens, fewer than one request of max_model_len "
-            f"{max_model_len} ({bytes_per_token / 2**10:.1f} KiB per token); "
-            + ("lower max_model_len" if capped else "raise kv_cache_memory / "
-               "kv_cache_memory_fraction or lower max_model_len"))
+            f"{max_model_len} ({bytes_per_token / 2**10:.1f} KiB per token); {fix}")
     if fits < 2:
         raise ValueError(f"a KV budget of {budget / 2**20:.1f} MiB holds no request; "
                          "raise kv_cache_memory / kv_cache_memory_fraction")

@@ -623,11 +623,12 @@ def paged_attention(
   if not supported:
     return paged_attention_reference(q, k_pages, v_pages, page_table, kv_len, q_len,
                                      block_mask=block_mask, sm_scale=sm_scale)
-  if num_pages > max_pool_pages(page_size, k, d):
+  addressable = max_pool_pages(page_size, k, d)
+  if num_pages > addressable:
     raise ValueError(
         f"k_pages has {num_pages} pages of {page_size} x {k} x {d}: more than the "
-        f"{max_pool_pages(page_size, k, d)} the kernel's 32-bit offsets address; give the "
-        "pool fewer pages (the engine sizes its pool within this)")
+        f"{addressable} the kernel's 32-bit offsets address; give the pool fewer pages "
+        "(the engine sizes its pool within this)")
   cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size,
                      gpu=_common.resolve_target(target), block_q=block_q, block_n=block_n,
                      num_splits=num_splits, min_split=min_split, num_warps=num_warps,
