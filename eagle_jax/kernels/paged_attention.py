@@ -243,7 +243,10 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   --sweep) the S + 1 = 6 verify tile ran in 0.357 ms at 4 warps against 0.484 ms at 8
   (B = 64, 4096 keys each); 2 stages (1: 26% slower; 3: no gain: below 5 stages Triton
   gives the gathered K / V tile one shared buffer behind its page-table load, so no
-  gather overlaps the dots; docs/BENCHMARKS.md, 2026-12-04, fourth session).
+  gather overlaps the dots; docs/BENCHMARKS.md, 2026-12-04, fourth session). Carrying
+  the next tile's page ids through the loop gets two buffers at 3 stages, but the short
+  chunk's tile then needs 144 KiB of shared memory and ran 17-26% slower (H200,
+  2026-12-05).
   BLOCK_N, AMD (wavefront 64): half that, 32 keys (16 for D > 128). Compiled for gfx942
   and gfx950 at 64 keys (Llama-3.1-8B and Qwen3-32B shapes, scripts/rocm_compile.py),
   the verify tiles take 226-254 VGPRs (2 waves per SIMD), the tree-verify tile 251-275
@@ -271,7 +274,10 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   hit's 80 live rows over 2112 keys 60-81 against 72-76 us, over 8272 keys 150-158
   against 168-179 us; in the engine the hit's time to first token fell 0.3-0.6 ms
   (docs/BENCHMARKS.md, "Issue 14, 2026-12-03, second session"); a 64-token chunk over
-  4096 keys, 66-82 against 65-69 us, gains nothing. From 8192 keys on, 2 stages were
+  4096 keys, 66-82 against 65-69 us, gains nothing. Fewer splits of that hit (80 live
+  rows over 2112 keys) are slower in the engine (H200, 2026-12-05, traced: 4 splits 33 +
+  4 us of combine, one split 43 us, one live split of MIN_SPLIT = 4096 66 us), though
+  one split wins the microbenchmark's fully live 128 rows. From 8192 keys on, 2 stages were
   5-8% slower and 64-key tiles 14-22%. The tile takes 202 registers and 80.5 KiB of
   shared memory on sm_90 without spills (scripts/rocm_compile.py's cubin). On gfx942
   / gfx950 the 64-key form of that tile (half the keys, as below) compiles without
