@@ -277,8 +277,8 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   4096 keys, 66-82 against 65-69 us, gains nothing. Fewer splits of that hit (80 live
   rows over 2112 keys) are slower in the engine (H200, 2026-12-05, traced: 4 splits 33 +
   4 us of combine, one split 43 us, one live split of MIN_SPLIT = 4096 66 us), though
-  one split wins the microbenchmark's fully live 128 rows. From 8192 keys on, 2 stages were
-  5-8% slower and 64-key tiles 14-22%. The tile takes 202 registers and 80.5 KiB of
+  one split wins the microbenchmark's fully live 128 rows. From 8192 keys on, 2 stages
+  were 5-8% slower and 64-key tiles 14-22%. The tile takes 202 registers and 80.5 KiB of
   shared memory on sm_90 without spills (scripts/rocm_compile.py's cubin). On gfx942
   / gfx950 the 64-key form of that tile (half the keys, as below) compiles without
   spills in 232-254 VGPRs (2 waves per SIMD, against 3 for the AMD rule's), 3 stages
