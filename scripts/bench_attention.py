@@ -18,8 +18,8 @@ One run does three things, in this order:
    chunk over 4096 tokens (compute bound; TFLOP/s), a prefix-cache hit as the engine
    runs it (``suffix``: 80 live rows of a 128-row block over 2112 keys, an 8704-token
    table; before 2026-12-05 a fully live 128-token chunk over 2048) and a 128-token
-   chunk riding late in a long prompt (``rider``, over 8192). Per row: kernel ms, live KV bytes,
-   GB/s, % of copy bandwidth, the reference's ms and the ratio.
+   chunk riding late in a long prompt (``rider``, over 8192). Per row: kernel ms, live
+   KV bytes, GB/s, % of copy bandwidth, the reference's ms and the ratio.
    The kernel is timed as R calls inside one jit on R different query arrays (divided
    by R; median over repeats), so a ~10 us kernel is not hidden behind Python dispatch;
    the reference, ms-scale, as back-to-back jitted calls.
@@ -231,7 +231,7 @@ def main():
       # 2048-token prefix + 64 computes 80 positions (the prefix's last page again, for
       # the draft) in the 128-row bucket, over a table of max_model_len 8704. A fully
       # live block ranked the split settings the other way round (2026-12-05).
-      "suffix": (f"prefix-cache hit: {hit_q} of {chunk // 4} rows over {hit_kv}, B=1 "
+      "suffix": (f"prefix-cache hit: {hit_q} of {chunk // 4} positions over {hit_kv}, B=1 "
                  f"(table {hit_table})", 1, chunk // 4, hit_kv, hit_q, hit_table, False),
       # A prompt chunk riding in a decode step, late in a long prompt.
       "rider": (f"prefill chunk {chunk // 4} over {2 * ctx}, B=1", 1, chunk // 4, 2 * ctx,
