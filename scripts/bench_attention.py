@@ -17,7 +17,8 @@ One run does three things, in this order:
    table sized for 32768 (the cost must follow the live tokens), a 512-token prefill
    chunk over 4096 tokens (compute bound; TFLOP/s), a prefix-cache hit as the engine
    runs it (``suffix``: 80 live rows of a 128-row block over 2112 keys, an 8704-token
-   table; before 2026-12-05 a fully live 128-token chunk over 2048) and a 128-token
+   table; before 2026-12-05 a fully live 128-token chunk over 2048), a fresh prompt of
+   the hit's 80 positions (``fresh``, over its own 80 keys) and a 128-token
    chunk riding late in a long prompt (``rider``, over 8192). Per row: kernel ms, live
    KV bytes, GB/s, % of copy bandwidth, the reference's ms and the ratio.
    The kernel is timed as R calls inside one jit on R different query arrays (divided
@@ -50,7 +51,7 @@ from eagle_jax.kernels.paged_attention import (  # noqa: E402
 
 from benchtools import copy_bandwidth, time_ms  # noqa: E402
 
-ROWS = "decode,verify,long,short,tree,prefill,suffix,rider"
+ROWS = "decode,verify,long,short,tree,prefill,suffix,fresh,rider"
 
 
 def make_inputs(seed, kv, ql, *, t, n, k, d, page_size, dtype, table_tokens=None,
@@ -233,6 +234,10 @@ def main():
       # live block ranked the split settings the other way round (2026-12-05).
       "suffix": (f"prefix-cache hit: {hit_q} of {chunk // 4} positions over {hit_kv}, B=1 "
                  f"(table {hit_table})", 1, chunk // 4, hit_kv, hit_q, hit_table, False),
+      # A fresh prompt of the hit's computed length: what the hit's attention costs beyond
+      # its own positions is ``suffix`` less this.
+      "fresh": (f"fresh prompt: {hit_q} of {chunk // 4} positions over {hit_q}, B=1 "
+                f"(table {hit_table})", 1, chunk // 4, hit_q, hit_q, hit_table, False),
       # A prompt chunk riding in a decode step, late in a long prompt.
       "rider": (f"prefill chunk {chunk // 4} over {2 * ctx}, B=1", 1, chunk // 4, 2 * ctx,
                 chunk // 4, None, False),
@@ -248,7 +253,7 @@ def main():
     r_ms = time_ms(ref_fn, *a, calls=1 if small else 3, repeats=repeats, warmup=1)
     default = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"])
     configs = [{}]
-    if args.sweep and name in ("suffix", "rider"):  # few programs: splits buy parallelism
+    if args.sweep and name in ("suffix", "fresh", "rider"):  # few programs: splits help
       configs += [dict(num_splits=1)] + [dict(num_splits=x, min_split=max(256, kv_n // x))
                                          for x in (2, 4, 8, 16)]
       # Latency-bound loops: deeper pipelines and other tile heights, at the heuristic's
@@ -297,7 +302,7 @@ def main():
     gbs = kv_bytes / k_ms / 1e6
     # 2 dots of 2 * D flops per visible (query, key) pair and query head (causal block).
     pairs = int((ql * (kv - ql) + ql * (ql + 1) // 2).sum())
-    flops = 4 * pairs * N * D if name in ("prefill", "suffix", "rider") else None
+    flops = 4 * pairs * N * D if name in ("prefill", "suffix", "fresh", "rider") else None
     cfg = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"], **tuning)
     results.append(dict(
         row=label, kernel_ms=k_ms, reference_ms=r_ms, ratio=r_ms / k_ms, kv_bytes=kv_bytes,
