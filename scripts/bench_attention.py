@@ -18,9 +18,9 @@ One run does three things, in this order:
    chunk over 4096 tokens (compute bound; TFLOP/s), a prefix-cache hit as the engine
    runs it (``suffix``: 80 live rows of a 128-row block over 2112 keys, an 8704-token
    table; before 2026-12-05 a fully live 128-token chunk over 2048), a fresh prompt of
-   the hit's 80 positions (``fresh``, over its own 80 keys) and a 128-token
-   chunk riding late in a long prompt (``rider``, over 8192). Per row: kernel ms, live
-   KV bytes, GB/s, % of copy bandwidth, the reference's ms and the ratio.
+   the hit's 80 positions (``fresh``, over its own 80 keys) and a 128-token chunk
+   riding late in a long prompt (``rider``, over 8192). Per row: kernel ms, live KV
+   bytes, GB/s, % of copy bandwidth, the reference's ms and the ratio.
    The kernel is timed as R calls inside one jit on R different query arrays (divided
    by R; median over repeats), so a ~10 us kernel is not hidden behind Python dispatch;
    the reference, ms-scale, as back-to-back jitted calls.
@@ -253,7 +253,7 @@ def main():
     r_ms = time_ms(ref_fn, *a, calls=1 if small else 3, repeats=repeats, warmup=1)
     default = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"])
     configs = [{}]
-    if args.sweep and name in ("suffix", "fresh", "rider"):  # few programs: splits help
+    if args.sweep and name in ("suffix", "fresh", "rider"):  # few programs: splits, tiles
       configs += [dict(num_splits=1)] + [dict(num_splits=x, min_split=max(256, kv_n // x))
                                          for x in (2, 4, 8, 16)]
       # Latency-bound loops: deeper pipelines and other tile heights, at the heuristic's
