@@ -52,6 +52,8 @@ from eagle_jax.kernels.paged_attention import (  # noqa: E402
 from benchtools import copy_bandwidth, time_ms  # noqa: E402
 
 ROWS = "decode,verify,long,short,tree,prefill,suffix,fresh,rider"
+# Rows of one short chunk (few programs: their sweep tries splits and tiles).
+CHUNK_ROWS = ("suffix", "fresh", "rider")
 
 
 def make_inputs(seed, kv, ql, *, t, n, k, d, page_size, dtype, table_tokens=None,
@@ -253,7 +255,7 @@ def main():
     r_ms = time_ms(ref_fn, *a, calls=1 if small else 3, repeats=repeats, warmup=1)
     default = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"])
     configs = [{}]
-    if args.sweep and name in ("suffix", "fresh", "rider"):  # few programs: splits, tiles
+    if args.sweep and name in CHUNK_ROWS:
       configs += [dict(num_splits=1)] + [dict(num_splits=x, min_split=max(256, kv_n // x))
                                          for x in (2, 4, 8, 16)]
       # Latency-bound loops: deeper pipelines and other tile heights, at the heuristic's
@@ -302,7 +304,7 @@ def main():
     gbs = kv_bytes / k_ms / 1e6
     # 2 dots of 2 * D flops per visible (query, key) pair and query head (causal block).
     pairs = int((ql * (kv - ql) + ql * (ql + 1) // 2).sum())
-    flops = 4 * pairs * N * D if name in ("prefill", "suffix", "fresh", "rider") else None
+    flops = 4 * pairs * N * D if name == "prefill" or name in CHUNK_ROWS else None
     cfg = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"], **tuning)
     results.append(dict(
         row=label, kernel_ms=k_ms, reference_ms=r_ms, ratio=r_ms / k_ms, kv_bytes=kv_bytes,
