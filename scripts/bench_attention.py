@@ -200,7 +200,8 @@ def main():
     # float32: Triton's dot on a GPU takes TF32 operands (10-bit mantissa), ~3e-4 relative.
     ok = finite and zeros and err < (2e-2 if dt == bf16 else 1e-3)
     failed += not ok
-    cfg = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"], **tuning)
+    cfg = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"],
+                                 causal=mask is None, **tuning)
     line = (f"{'PASS' if ok else 'FAIL'} {label}: B={b} T={t} N={n} K={k} D={d} "
             f"{jnp.dtype(dt).name} max kv={int(kv.max())}: rel err {err:.2e}, "
             f"finite={finite}, padding zeros={zeros} (splits={cfg.num_splits})")
@@ -253,7 +254,8 @@ def main():
     a = call_args(inp, mask)
     ref = ref_fn(*a)
     r_ms = time_ms(ref_fn, *a, calls=1 if small else 3, repeats=repeats, warmup=1)
-    default = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"])
+    default = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"],
+                                     causal=mask is None)
     configs = [{}]
     if args.sweep and name in CHUNK_ROWS:
       configs += [dict(num_splits=1)] + [dict(num_splits=x, min_split=max(256, kv_n // x))
@@ -305,7 +307,8 @@ def main():
     # 2 dots of 2 * D flops per visible (query, key) pair and query head (causal block).
     pairs = int((ql * (kv - ql) + ql * (ql + 1) // 2).sum())
     flops = 4 * pairs * N * D if name == "prefill" or name in CHUNK_ROWS else None
-    cfg = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"], **tuning)
+    cfg = paged_attention_config(inp["q"], inp["k_pages"], inp["page_table"],
+                                 causal=mask is None, **tuning)
     results.append(dict(
         row=label, kernel_ms=k_ms, reference_ms=r_ms, ratio=r_ms / k_ms, kv_bytes=kv_bytes,
         gbs=gbs, pct_copy=100 * gbs / copy_gbs,

@@ -73,13 +73,18 @@ def test_nvidia_attention_choices_unchanged():
   for args, want in [((64, 1, 4, 128, 8, 4096), (16, 64, 1, 4, 2)),
                      ((64, 6, 4, 128, 8, 4096), (32, 64, 1, 4, 2)),
                      ((1, 1, 4, 128, 8, 32768), (16, 64, 64, 4, 2)),
-                     ((1, 512, 4, 128, 8, 8192), (64, 64, 1, 8, 2)),
+                     # A prefill chunk's 64-row tiles: 4 warps (8 past D = 128, below).
+                     ((1, 512, 4, 128, 8, 8192), (64, 64, 1, 4, 2)),
                      # A 126-token chunk riding in a decode step: 64 programs of 64 rows,
                      # < 132 SMs: the short-chunk tile (32 rows, 128 keys, 3 stages).
                      ((1, 126, 4, 128, 8, 8704), (32, 128, 4, 4, 3)),
                      ((8, 6, 8, 256, 8, 8192), (64, 32, 8, 8, 2))]:
     c = cfg(*args, gpu=SM90)
     assert (c.block_q, c.block_n, c.num_splits, c.num_warps, c.num_stages) == want, args
+  # A draft tree's verify (a block mask) keeps 8 warps for its 64-row tiles; a causal
+  # block of the same size takes 4.
+  assert cfg(64, 32, 4, 128, 8, 4096, gpu=SM90, causal=False).num_warps == 8
+  assert cfg(64, 32, 4, 128, 8, 4096, gpu=SM90).num_warps == 4
 
 
 def test_amd_choices():

@@ -276,7 +276,7 @@ def test_heuristic():
           cfg.num_stages) == (32, 128, 256, 4, 4, 3)
   # Explicit settings win over the short chunk's.
   cfg = bs(1, 126, 4, 128, 8, 8704, block_q=64, block_n=64, num_stages=2)
-  assert (cfg.block_q, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 64, 8, 2)
+  assert (cfg.block_q, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 64, 4, 2)
   for cfg in (bs(3, 5, 3, 80, 2, 1000), bs(1, 1, 1, 256, 1, 1 << 20)):
     for v in (cfg.block_q, cfg.block_n, cfg.block_d, cfg.min_split):
       assert v & (v - 1) == 0

@@ -221,7 +221,7 @@ class PagedAttentionConfig(NamedTuple):
 
 
 def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
-                 gpu: _common.GpuTarget, block_q=None, block_n=None, num_splits=None,
+                 gpu: _common.GpuTarget, causal=True, block_q=None, block_n=None, num_splits=None,
                  min_split=None, num_warps=None, num_stages=None) -> PagedAttentionConfig:
   """Tile sizes, splits and launch parameters; every argument left None is heuristic.
 
@@ -231,9 +231,17 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   >= 64 rows whose B * K * tiles programs would fill fewer than half the cores takes
   narrower tiles (down to 16): a 32-token tree verify at B = 1 (128 rows,
   K = 8) ran in 12.9 us at 16-row tiles against 28.8 us at 64 on an H200 (288 keys,
-  2026-12-01); at B >= 8 the 64-row tiles already give ~128 programs. 4 warps
-  up to BLOCK_Q = 32, 8 for 64; 2 pipeline stages. On AMD 4 wavefronts are one per SIMD
-  of the CU, each with its own matrix core.
+  2026-12-01); at B >= 8 the 64-row tiles already give ~128 programs. 4 warps up to
+  BLOCK_Q = 32, 8 for 64, but 4 for a causal block's 64-row tiles on NVIDIA up to
+  D = 128; 2 pipeline stages. On AMD 4 wavefronts are one per SIMD of the CU, each with
+  its own matrix core. On an H100 (2026-12-05, 20 calls in one jit, 32 / 8 heads,
+  D = 128, bf16), causal 64-row tiles in 4 warps against 8: a 512-token prefill chunk
+  over 2048 / 4096 / 8192 keys 71-74 / 131 / 252 us against 102-112 / 189-190 / 359; a
+  32-token block at B = 64 over 4096 keys 552 against 735 (B = 8: 104-106 against 146),
+  a 16-token block 408-412 against 442. In the engine a 2112-token prompt's first token
+  came 1.1-3.3 ms sooner (docs/BENCHMARKS.md, "Issue 14, 2026-12-05, fifth session").
+  A draft tree's verify (a block mask) keeps 8: its 32-token tile at 4 warps takes 255
+  registers and 56-64 bytes of stack (sm_90 cubin, scripts/rocm_compile.py), untimed.
 
   BLOCK_N, NVIDIA: 64 keys (32 for D > 128), 16 KiB per bf16 K or V tile at D = 128.
   Gathered K/V tiles keep an address per element, so wider tiles cost registers. At
@@ -306,14 +314,15 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
     while bq > 16 and 64 <= rows < 256 and batch * kv_heads * _common.cdiv(rows, bq) < (
         gpu.num_cores // 2):
       bq //= 2
+  nvidia = gpu.warp_size == 32
   small_chunk = rows >= 256 and batch * kv_heads * _common.cdiv(rows, bq) < gpu.num_cores
-  if small_chunk and gpu.warp_size == 32:
+  if small_chunk and nvidia:
     # NVIDIA: the short chunk's programs each walk a long key range; 32-row query tiles
     # over 128-key tiles in 3 stages keep more bytes in flight per program.
     bq, bn = block_q or 32, block_n or 128
   q_tiles = _common.cdiv(rows, bq)
   if not min_split:  # None or 0: the heuristic
-    min_split = ((256 if gpu.warp_size == 32 else 2 * _common.next_power_of_2(rows))
+    min_split = ((256 if nvidia else 2 * _common.next_power_of_2(rows))
                  if small_chunk else max(256, _common.next_power_of_2(16 * rows)))
   ms = max(min_split, bn)
   if num_splits is None:
@@ -322,8 +331,8 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
     by_capacity = max(1, capacity // ms)
     by_capacity = 1 << (by_capacity.bit_length() - 1)  # power of two at most that
     num_splits = max(1, min(want, by_capacity, _MAX_SPLITS))
-  warps = num_warps or (4 if bq <= 32 else 8)
-  stages = num_stages or (3 if small_chunk and gpu.warp_size == 32 else 2)
+  warps = num_warps or (4 if bq <= 32 or (nvidia and causal and block_d <= 128) else 8)
+  stages = num_stages or (3 if small_chunk and nvidia else 2)
   for name, v in (("block_q", bq), ("block_n", bn)):
     if v < 16 or v & (v - 1):
       raise ValueError(f"{name}={v} must be a power of two >= 16")
@@ -334,14 +343,14 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
                               combine_warps)
 
 
-def paged_attention_config(q, k_pages, page_table, *, target=None,
+def paged_attention_config(q, k_pages, page_table, *, target=None, causal=True,
                            **tuning) -> PagedAttentionConfig:
   """The configuration ``paged_attention`` picks for these shapes (arrays or
   ShapeDtypeStructs), GPU target and tuning overrides; for benchmarks and logs."""
   b, t, n, d = q.shape
   _, page_size, k, _ = k_pages.shape
   return _block_sizes(b, t, n // k, d, k, page_table.shape[1] * page_size,
-                      gpu=_common.resolve_target(target), **tuning)
+                      gpu=_common.resolve_target(target), causal=causal, **tuning)
 
 
 # --------------------------------------------------------------------------------------
@@ -636,8 +645,8 @@ def paged_attention(
         f"{addressable} the kernel's 32-bit offsets address; give the pool fewer pages "
         "(the engine sizes its pool within this)")
   cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size,
-                     gpu=_common.resolve_target(target), block_q=block_q, block_n=block_n,
-                     num_splits=num_splits, min_split=min_split, num_warps=num_warps,
+                     gpu=_common.resolve_target(target), causal=block_mask is None,
+                     block_q=block_q, block_n=block_n, num_splits=num_splits, min_split=min_split, num_warps=num_warps,
                      num_stages=num_stages)
   return _paged_attention_pallas(
       q, k_pages, v_pages, page_table, kv_len, q_len, block_mask,
