@@ -221,8 +221,9 @@ class PagedAttentionConfig(NamedTuple):
 
 
 def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
-                 gpu: _common.GpuTarget, causal=True, block_q=None, block_n=None, num_splits=None,
-                 min_split=None, num_warps=None, num_stages=None) -> PagedAttentionConfig:
+                 gpu: _common.GpuTarget, causal=True, block_q=None, block_n=None,
+                 num_splits=None, min_split=None, num_warps=None, num_stages=None
+                 ) -> PagedAttentionConfig:
   """Tile sizes, splits and launch parameters; every argument left None is heuristic.
 
   BLOCK_Q = T * G rounded up to a power of two, at least 16 (the smallest tensor-core
@@ -236,7 +237,7 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   D = 128; 2 pipeline stages. On AMD 4 wavefronts are one per SIMD of the CU, each with
   its own matrix core. On an H100 (2026-12-05, 20 calls in one jit, 32 / 8 heads,
   D = 128, bf16), causal 64-row tiles in 4 warps against 8: a 512-token prefill chunk
-  over 2048 / 4096 / 8192 keys 71-74 / 131 / 252 us against 102-112 / 189-190 / 359; a
+  over 2048 / 4096 / 8192 keys 71-81 / 131-133 / 252 us against 102-112 / 189-190 / 359; a
   32-token block at B = 64 over 4096 keys 552 against 735 (B = 8: 104-106 against 146),
   a 16-token block 408-412 against 442. In the engine a 2112-token prompt's first token
   came 1.1-3.3 ms sooner (docs/BENCHMARKS.md, "Issue 14, 2026-12-05, fifth session").
@@ -346,7 +347,8 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
 def paged_attention_config(q, k_pages, page_table, *, target=None, causal=True,
                            **tuning) -> PagedAttentionConfig:
   """The configuration ``paged_attention`` picks for these shapes (arrays or
-  ShapeDtypeStructs), GPU target and tuning overrides; for benchmarks and logs."""
+  ShapeDtypeStructs), GPU target, mask (``causal=False``: a block mask is given) and
+  tuning overrides; for benchmarks and logs."""
   b, t, n, d = q.shape
   _, page_size, k, _ = k_pages.shape
   return _block_sizes(b, t, n // k, d, k, page_table.shape[1] * page_size,
@@ -646,8 +648,8 @@ def paged_attention(
         "(the engine sizes its pool within this)")
   cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size,
                      gpu=_common.resolve_target(target), causal=block_mask is None,
-                     block_q=block_q, block_n=block_n, num_splits=num_splits, min_split=min_split, num_warps=num_warps,
-                     num_stages=num_stages)
+                     block_q=block_q, block_n=block_n, num_splits=num_splits,
+                     min_split=min_split, num_warps=num_warps, num_stages=num_stages)
   return _paged_attention_pallas(
       q, k_pages, v_pages, page_table, kv_len, q_len, block_mask,
       scale=_scale(sm_scale, d), interpret=_common.resolve_interpret(interpret), cfg=cfg)
