@@ -267,7 +267,7 @@ def main():
       configs += [dict(num_stages=3), dict(num_stages=4), dict(num_stages=5),
                   dict(block_n=64, num_stages=3), dict(block_n=64, num_stages=4),
                   dict(block_q=16), dict(block_q=64)]
-    elif args.sweep and name not in ("tree", "prefill"):  # tree verify: as verify
+    elif args.sweep and name != "tree":  # tree verify: as verify
       s = default.num_splits
       configs += [dict(block_n=32), dict(block_n=128), dict(num_warps=12 - default.num_warps),
                   dict(num_stages=1), dict(num_stages=3)]
