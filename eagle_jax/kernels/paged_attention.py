@@ -232,14 +232,14 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   >= 64 rows whose B * K * tiles programs would fill fewer than half the cores takes
   narrower tiles (down to 16): a 32-token tree verify at B = 1 (128 rows,
   K = 8) ran in 12.9 us at 16-row tiles against 28.8 us at 64 on an H200 (288 keys,
-  2026-12-01); at B >= 8 the 64-row tiles already give ~128 programs. 4 warps up to
-  BLOCK_Q = 32, 8 for 64, but 4 for a causal block's 64-row tiles on NVIDIA up to
-  D = 128; 2 pipeline stages. On AMD 4 wavefronts are one per SIMD of the CU, each with
-  its own matrix core. On an H100 (2026-12-05, 20 calls in one jit, 32 / 8 heads,
-  D = 128, bf16), causal 64-row tiles in 4 warps against 8: a 512-token prefill chunk
-  over 2048 / 4096 / 8192 keys 71-81 / 131-133 / 252 us against 102-112 / 189-190 / 359; a
-  32-token block at B = 64 over 4096 keys 552 against 735 (B = 8: 104-106 against 146),
-  a 16-token block 408-412 against 442. In the engine a 2112-token prompt's first token
+  2026-12-01); at B >= 8 the 64-row tiles already give ~128 programs. 4 warps, but 8
+  for a 64-row tile on AMD, past D = 128 or under a block mask; 2 pipeline stages. On
+  AMD 4 wavefronts are one per SIMD of the CU, each with its own matrix core. On an
+  H100 (2026-12-05, 20 calls in one jit, 32 / 8 heads, D = 128, bf16), causal 64-row
+  tiles in 4 warps against 8: a 512-token prefill chunk over 2048 / 4096 / 8192 keys
+  71-81 / 131-133 / 252 us against 102-112 / 189-190 / 359; a 32-token block at B = 64
+  over 4096 keys 552 against 735 (B = 8: 104-106 against 146), a 16-token block 408-412
+  against 442. In the engine a 2112-token prompt's first token
   came 1.1-3.3 ms sooner (docs/BENCHMARKS.md, "Issue 14, 2026-12-05, fifth session").
   A draft tree's verify (a block mask) keeps 8: its 32-token tile at 4 warps takes 255
   registers and 56-64 bytes of stack (sm_90 cubin, scripts/rocm_compile.py), untimed.
