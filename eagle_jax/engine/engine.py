@@ -380,9 +380,14 @@ class Engine:
         return shapes
 
     def _bytes_per_token(self) -> int:
-        """KV bytes of one position on each device: the target's layers plus the draft's."""
-        return sum(KVPages.bytes_per_token(layers, heads, dim, self.dtype)
-                   for layers, heads, dim in self._pool_shapes())
+        """Pool bytes of one position on each device: the target's KV layers plus the
+        draft's, and with prefix caching a position's share of the target feature kept
+        per page for a hit's draft (``DecodeState.boundary_features``)."""
+        kv = sum(KVPages.bytes_per_token(layers, heads, dim, self.dtype)
+                 for layers, heads, dim in self._pool_shapes())
+        if self.draft is not None and self.config.enable_prefix_caching:
+            kv += -(-self._feature_width() * jnp.dtype(self.dtype).itemsize // self.page_size)
+        return kv
 
     def _kv_budget(self) -> int | None:
         """Bytes for the KV pool: ``kv_cache_memory``, else ``kv_cache_memory_fraction``
@@ -459,6 +464,10 @@ class Engine:
                        lag_tokens=jnp.zeros((n, step_lib.MAX_DRAFT_LAG), jnp.int32),
                        lag_features=jnp.zeros((n, step_lib.MAX_DRAFT_LAG,
                                                self._feature_width()), self.dtype))
+        if self.draft is not None and self.config.enable_prefix_caching:
+            lag.update(draft_page_table=jnp.zeros((n, self.max_pages), jnp.int32),
+                       boundary_features=jnp.zeros((self.num_pages, self._feature_width()),
+                                                   self.dtype))
         state = step_lib.DecodeState(
             target_pages=None, draft_pages=draft_pages,
             page_table=jnp.zeros((n, self.max_pages), jnp.int32),
@@ -577,7 +586,7 @@ class Engine:
         return step_lib.PrefillChunks(
             slot=spec(), page_row=spec((self.max_pages,)), tokens=spec((size,)),
             start=spec(), length=spec(), next_token=spec(), is_last=spec((), jnp.bool_),
-            sample_next=spec((), jnp.bool_))
+            sample_next=spec((), jnp.bool_), draft_col=spec(), draft_page=spec())
 
     def _prefill_fn(self, num: int, size: int, with_logprobs: bool = False):
         """The executable that prefills the chunks of ``num`` requests, ``size``
@@ -799,6 +808,8 @@ class Engine:
                 self.state = self.state._replace(
                     active=jnp.asarray(live), seq_len=jnp.where(live, context, 0),
                     page_table=jnp.asarray(np.where(live[:, None], table, 0)),
+                    draft_page_table=(None if self.state.draft_page_table is None else
+                                      jnp.asarray(np.where(live[:, None], table, 0))),
                     sampling=SamplingRows(*(jnp.asarray(x) for x in rows)))
                 jax.block_until_ready(self.state.page_table)
                 t0 = time.perf_counter()
@@ -1052,15 +1063,16 @@ class Engine:
         keys = self._page_keys(req)
         # The last known position is always computed: its logits (a new request's first
         # token) and its draft row (the draft's state) come from it.
-        hit = self.page_allocator.match(keys, tokens, known - 1,
-                                        check_next=self.draft is not None)
+        hit, boundary = self.page_allocator.match(
+            keys, tokens, known - 1, check_next=self.draft is not None,
+            share_boundary=self.state.boundary_features is not None)
         if len(hit) < (known - 1) // self.page_size and self._page_claims(
                 req, len(hit), len(hit) + 1)[0] in computing:
             return None
-        if not self.page_allocator.can_reserve(slot, known + self.step_tokens, hit):
+        if not self.page_allocator.can_reserve(slot, known + self.step_tokens, hit, boundary):
             return None
         self._waiting.popleft()
-        self.page_allocator.reserve(slot, known, shared=hit)
+        self.page_allocator.reserve(slot, known, shared=hit, boundary=boundary)
         self.page_allocator.take_updates(slot)  # the prefill writes the slot's whole row
         cached = len(hit) * self.page_size
         self.prefix_cache_queries += known
@@ -1092,7 +1104,8 @@ class Engine:
             page_row=np.zeros((num, self.max_pages), np.int32),
             tokens=np.zeros((num, size), np.int32), start=zeros, length=zeros.copy(),
             next_token=zeros.copy(), is_last=np.zeros((num,), bool),
-            sample_next=np.zeros((num,), bool))
+            sample_next=np.zeros((num,), bool), draft_col=np.full((num,), -1, np.int32),
+            draft_page=zeros.copy())
         i = 0
         for req in reqs:
             tokens = self._known_tokens(req)
@@ -1104,11 +1117,15 @@ class Engine:
                 break
             budget -= total
             page_row = self.page_allocator.page_row(req.slot)
+            draft_copy = self.page_allocator.draft_copy(req.slot) or (-1, 0)
+            if self.state.boundary_features is not None:
+                self.page_allocator.features_written(req.slot, start, start + total)
             for first in range(start, start + total, size):
                 length = min(size, start + total - first)
                 end = first + length
                 chunks.start[i], chunks.length[i] = first, length
                 chunks.page_row[i] = page_row
+                chunks.draft_col[i], chunks.draft_page[i] = draft_copy
                 chunks.tokens[i, :length] = tokens[first:end]
                 # The known token after the chunk (a new request's first token is sampled).
                 chunks.next_token[i] = tokens[end] if end < len(tokens) else 0

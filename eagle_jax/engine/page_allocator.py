@@ -4,7 +4,8 @@
 The pool itself (``KVPages``, one per model) lives on the device; the target's and the
 draft's pools have the same number of pages, and a request's page i holds the same
 positions in both (the draft's KV row j sits at the target's position j), so one
-allocator and one page table serve both models.
+allocator and one page table serve both models, but for one page: a prefix hit's
+boundary page, which the draft reads from a copy of its own (``PageAllocator``).
 
 A request holds a list of page ids; its position j lives in ``pages[j // page_size]``.
 Pages are taken as the request grows (``reserve``), never moved, and all returned when
@@ -108,6 +109,14 @@ def page_hashes(tokens, page_size: int, known: list[bytes] = ()) -> list[bytes]:
     return keys
 
 
+class PrefixHit(NamedTuple):
+    """``PageAllocator.match``'s answer: the cached pages that begin a sequence, and
+    whether the draft's last row of the last of them is stale for it (``boundary``)."""
+
+    pages: list[int]
+    boundary: bool = False
+
+
 class PageAllocator:
     """Free list, per-owner page lists and the prefix cache of a pool of ``num_pages``.
 
@@ -130,6 +139,10 @@ class PageAllocator:
     before a last page whose next token differs from the request's, and that page is
     recomputed (at most ``page_size`` extra prefill positions). Inside a run of matched
     pages the next token lies in the following matched page, so it agrees already.
+    With ``share_boundary`` such a page is shared all the same where the target's feature
+    at its last position was kept (``features_written``): it is then a *boundary* page
+    (``PrefixHit.boundary``), and ``reserve`` gives the owner one page more, its draft's
+    private copy of it (``draft_copy``), whose last draft row the request recomputes.
     """
 
     def __init__(self, num_pages: int, page_size: int, max_pages_per_owner: int,
@@ -149,6 +162,8 @@ class PageAllocator:
         self._next_token: dict[int, int] = {}  # keyed page -> the token after it
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._registered: dict[int, int] = {}  # owner -> pages of it already keyed
+        self._featured: set[int] = set()  # pages whose last position's feature is kept
+        self._draft_copy: dict[int, tuple[int, int]] = {}  # owner -> (index, page)
 
     @property
     def num_free(self) -> int:
@@ -169,23 +184,38 @@ class PageAllocator:
         return self._owned.get(owner, [])
 
     # ------------------------------------------------------------- prefix cache
-    def match(self, keys: list[bytes], tokens, max_tokens: int,
-              check_next: bool) -> list[int]:
+    def match(self, keys: list[bytes], tokens, max_tokens: int, check_next: bool,
+              share_boundary: bool = False) -> PrefixHit:
         """The cached pages that begin a sequence: ``keys`` are its ``page_hashes``,
         ``tokens`` its tokens; at most ``max_tokens`` positions are matched (the engine
         always computes a request's last known position). Takes nothing."""
         if not self.prefix_caching:
-            return []
+            return PrefixHit([])
         hit = []
         for key in keys[:max_tokens // self.page_size]:
             page = self._page_of.get(key)
             if page is None:
                 break
             hit.append(page)
-        if check_next:
-            while hit and self._next_token[hit[-1]] != tokens[len(hit) * self.page_size]:
-                hit.pop()
-        return hit
+        if check_next and hit and (self._next_token[hit[-1]]
+                                   != tokens[len(hit) * self.page_size]):
+            if share_boundary and hit[-1] in self._featured:
+                return PrefixHit(hit, boundary=True)
+            hit.pop()
+        return PrefixHit(hit)
+
+    def features_written(self, owner: int, start: int, end: int) -> None:
+        """Records that a prefill chunk over positions [start, end) of ``owner`` kept the
+        target's feature at the last position of each page it covers."""
+        pages = self._owned.get(owner, [])
+        first = (start // self.page_size + 1) * self.page_size - 1
+        for last in range(first, end, self.page_size):
+            self._featured.add(pages[last // self.page_size])
+
+    def draft_copy(self, owner: int) -> tuple[int, int] | None:
+        """(index, page): the owner's boundary page's index in its page list and the page
+        its draft reads instead; None without one."""
+        return self._draft_copy.get(owner)
 
     def num_registered(self, owner: int) -> int:
         """The owner's leading pages that ``register`` has seen (keyed, or left private)."""
@@ -212,24 +242,30 @@ class PageAllocator:
         self._registered[owner] = max(done, end)
 
     # -------------------------------------------------------------- reservation
-    def can_reserve(self, owner: int, num_tokens: int, shared: list[int] = ()) -> bool:
+    def can_reserve(self, owner: int, num_tokens: int, shared: list[int] = (),
+                    boundary: bool = False) -> bool:
         revived = sum(1 for p in shared if p in self._evictable)
-        return self._missing(owner, num_tokens, len(shared)) <= self.num_free - revived
+        return self._missing(owner, num_tokens, len(shared)) + boundary <= (
+            self.num_free - revived)
 
     def _missing(self, owner: int, num_tokens: int, num_shared: int = 0) -> int:
         want = min(pages_for(num_tokens, self.page_size), self.max_pages_per_owner)
         return max(0, want - len(self._owned.get(owner, ())) - num_shared)
 
-    def reserve(self, owner: int, num_tokens: int, shared: list[int] = ()) -> None:
+    def reserve(self, owner: int, num_tokens: int, shared: list[int] = (),
+                boundary: bool = False) -> None:
         """Makes ``owner``'s pages cover positions [0, num_tokens) (capped at the page
         table's width), first sharing ``shared`` (cached pages from ``match``, only for
-        an owner with no pages yet). Raises OutOfPages, taking nothing, when the pool is
-        short."""
+        an owner with no pages yet; ``boundary``: the last of them is a boundary page,
+        and one more page becomes its draft's copy). Raises OutOfPages, taking nothing,
+        when the pool is short."""
         if not shared and not self._missing(owner, num_tokens):
             return  # already covered: the common case of a decode step
-        if not self.can_reserve(owner, num_tokens, shared):
-            raise OutOfPages(f"{self._missing(owner, num_tokens, len(shared))} pages needed, "
-                             f"{self.num_free} free")
+        if not self.can_reserve(owner, num_tokens, shared, boundary):
+            needed = self._missing(owner, num_tokens, len(shared)) + boundary
+            raise OutOfPages(f"{needed} pages needed, {self.num_free} free")
+        if boundary and not shared:
+            raise ValueError("a boundary page is the last of the shared pages")
         owned = self._owned.setdefault(owner, [])
         if shared:
             if owned:
@@ -240,6 +276,10 @@ class PageAllocator:
                 self._pending.append((owner, len(owned), page))
                 owned.append(page)
             self._registered[owner] = len(shared)
+            if boundary:
+                copy = self._take()
+                self._refs[copy] = 1
+                self._draft_copy[owner] = (len(shared) - 1, copy)
         for _ in range(self._missing(owner, num_tokens)):
             page = self._take()
             self._refs[page] = 1
@@ -248,16 +288,20 @@ class PageAllocator:
 
     def _take(self) -> int:
         if self._free:
-            return self._free.pop()
-        page, _ = self._evictable.popitem(last=False)  # least recently used
-        del self._page_of[self._key_of.pop(page)]
-        del self._next_token[page]
+            page = self._free.pop()
+        else:
+            page, _ = self._evictable.popitem(last=False)  # least recently used
+            del self._page_of[self._key_of.pop(page)]
+            del self._next_token[page]
+        self._featured.discard(page)  # its new owner writes it anew
         return page
 
     def free(self, owner: int) -> None:
         """Drops every page reference of ``owner``: a page no one holds becomes cached
         (keyed, most recently used) or free."""
         pages = self._owned.pop(owner, [])
+        if owner in self._draft_copy:
+            pages.append(self._draft_copy.pop(owner)[1])
         self._registered.pop(owner, None)
         self._pending = [u for u in self._pending if u[0] != owner]
         for page in reversed(pages):
@@ -273,6 +317,7 @@ class PageAllocator:
         """Asserts the pool's invariants (tests): every page is exactly one of free,
         cached-unheld, or held, and reference counts equal the owners holding it."""
         held = collections.Counter(p for pages in self._owned.values() for p in pages)
+        held.update(page for _, page in self._draft_copy.values())
         assert all(self._refs[p] == held.get(p, 0) for p in range(self.num_pages))
         free, evictable = set(self._free), set(self._evictable)
         assert len(free) == len(self._free) and not free & evictable

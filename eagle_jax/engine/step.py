@@ -20,6 +20,15 @@ The host's page allocator gives pages out between steps; each step and prefill f
 applies the page-table entries the host assigned since the last one (``page_updates``),
 so the table never travels whole.
 
+A prefix-cache hit shares the target's pages of the whole matched prefix, but the draft's
+last row of the last shared page (the boundary page) took the token after the page of
+the request that computed it. Where the new request's token there differs, the draft
+reads its own copy of that page (``draft_page_table``: the target's table with that one
+entry replaced), and the request's first chunk recomputes the row into it: its draft
+extend starts one position early, with the target's feature there kept from that
+earlier prefill (``boundary_features``, written at each page's last position by every
+prefill chunk). So the target computes none of the cached positions and the draft one.
+
 A step may carry the next prompt chunk of each of L requests in prefill (``chunks``):
 their L x C positions become L C / W extra rows of the step's width W beside the B
 decode rows of the target's forward (the weights are read once for decode and every
@@ -78,6 +87,15 @@ class DecodeState(NamedTuple):
     draft_lag: Array | None = None  # [B_max] i32, at most MAX_DRAFT_LAG
     lag_tokens: Array | None = None  # [B_max, MAX_DRAFT_LAG] i32 the tokens there
     lag_features: Array | None = None  # [B_max, MAX_DRAFT_LAG, F] the target's features
+    # With a draft and prefix caching (module docstring): the page table the draft's pool
+    # is read through, and the target's feature at the last position of each page.
+    draft_page_table: Array | None = None  # [B_max, max_pages] i32
+    boundary_features: Array | None = None  # [P, F]
+
+    def draft_cache(self, batch: int) -> KVCache:
+        """The draft's pool and the page tables of rows [0, batch)."""
+        table = self.page_table if self.draft_page_table is None else self.draft_page_table
+        return KVCache(self.draft_pages, table[:batch])
 
 
 class PrefillOutput(NamedTuple):
@@ -116,6 +134,11 @@ class PrefillChunks(NamedTuple):
     or a resumed request's last generated token); sample_next: the chunk ends a new
     request's prompt, so the token after it is sampled (the first generated token)
     instead. A padding chunk has length 0 and slot B_max: it writes nothing.
+
+    draft_col, draft_page: the request's boundary page (module docstring), column
+    ``draft_col`` of ``page_row``, which the draft reads from its own copy
+    ``draft_page``; -1: none. The chunk that starts right after that page (``lead``)
+    makes the copy and extends the draft from the page's last position.
     """
 
     slot: Array  # i32
@@ -126,6 +149,18 @@ class PrefillChunks(NamedTuple):
     next_token: Array  # i32
     is_last: Array  # bool
     sample_next: Array  # bool
+    draft_col: Array  # i32
+    draft_page: Array  # i32
+
+    def lead(self, page_size: int) -> Array:
+        """[L] bool: the chunk starts right after its request's boundary page."""
+        return (self.draft_col >= 0) & (self.start == (self.draft_col + 1) * page_size)
+
+    def draft_page_row(self) -> Array:
+        """[L, max_pages] the page-table rows the draft reads its pool through."""
+        col = jnp.arange(self.page_row.shape[1])[None]
+        return jnp.where(col == self.draft_col[:, None], self.draft_page[:, None],
+                         self.page_row)
 
     def positions(self) -> Array:
         """[L, C] the tokens' positions, PAD_POSITION past ``length``."""
@@ -181,9 +216,15 @@ def _draft_argmax(logits: Array, d2t: Array | None, vocab_size: int | None) -> A
 
 
 def apply_page_updates(state: DecodeState, updates: Array) -> DecodeState:
-    """updates [U, 3] i32 rows (slot, index, page); a slot >= B_max (padding) is dropped."""
-    table = state.page_table.at[updates[:, 0], updates[:, 1]].set(updates[:, 2], mode="drop")
-    return state._replace(page_table=table)
+    """updates [U, 3] i32 rows (slot, index, page); a slot >= B_max (padding) is dropped.
+    The draft's table takes them too (they never name a boundary page's column: that
+    page came with the request's first chunk)."""
+    def apply(table):
+        return table.at[updates[:, 0], updates[:, 1]].set(updates[:, 2], mode="drop")
+
+    return state._replace(page_table=apply(state.page_table),
+                          draft_page_table=(None if state.draft_page_table is None else
+                                            apply(state.draft_page_table)))
 
 
 def _rows(state: DecodeState, batch: int):
@@ -289,7 +330,7 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     S = num_steps
     state = _apply_chunk_pages(apply_page_updates(state, page_updates), chunks)
     seq_len, last, rows, keys, active = _rows(state, batch)
-    draft_cache = KVCache(state.draft_pages, state.page_table[:batch])
+    draft_cache = state.draft_cache(batch)
     keys, sub = _split_keys(keys, 3)
     u_propose = _uniforms(sub[:, 0], S)
     u_accept = _uniforms(sub[:, 1], S + 1)
@@ -426,7 +467,7 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
     # 1. Draft the tree (its scratch KV above seq_len).
     tree = build_draft_tree(
         draft, state.draft_logits[:batch], state.draft_hidden[:batch], seq_len, active, rows,
-        sub[:, 0], KVCache(state.draft_pages, state.page_table[:batch]), topk=K, num_steps=S,
+        sub[:, 0], state.draft_cache(batch), topk=K, num_steps=S,
         num_nodes=N, real_q=not target_only, target_vocab_size=target.config.vocab_size,
         vocab_size=None if draft.d2t is not None else vocab_size, pad_position=PAD_POSITION)
 
@@ -524,8 +565,7 @@ def catch_up_draft(draft, state: DecodeState, *, batch: int) -> DecodeState:
     positions = jnp.where(behind[:, None] & (j < lag[:, None]), (seq_len - lag)[:, None] + j,
                           PAD_POSITION)
     ext = draft_extend(draft, state.lag_tokens[:batch], last, jnp.maximum(lag, 1),
-                       state.lag_features[:batch], positions,
-                       KVCache(state.draft_pages, state.page_table[:batch]))
+                       state.lag_features[:batch], positions, state.draft_cache(batch))
     state = _keep_draft(state, batch, ext, behind)
     return state._replace(draft_lag=_write_rows(state.draft_lag, batch, jnp.zeros_like(lag)))
 
@@ -583,11 +623,23 @@ def prefill_chunks(target, draft, state: DecodeState, chunks: PrefillChunks,
 
 def _apply_chunk_pages(state: DecodeState, chunks: PrefillChunks | None) -> DecodeState:
     """The chunks' slots take their page-table rows (a padding chunk's slot, B_max, is
-    dropped)."""
+    dropped), and the draft's; a chunk that follows a boundary page copies that page of
+    the draft's pool into the request's own (``lead``)."""
     if chunks is None:
         return state
-    return state._replace(page_table=state.page_table.at[chunks.slot].set(
+    state = state._replace(page_table=state.page_table.at[chunks.slot].set(
         chunks.page_row, mode="drop"))
+    if state.draft_page_table is None:
+        return state
+    pages = state.draft_pages
+    lead = chunks.lead(pages.page_size)
+    src = jnp.take_along_axis(chunks.page_row, jnp.maximum(chunks.draft_col, 0)[:, None],
+                              axis=1)[:, 0]
+    dst = jnp.where(lead, chunks.draft_page, pages.num_pages)  # out of range: dropped
+    return state._replace(
+        draft_page_table=state.draft_page_table.at[chunks.slot].set(
+            chunks.draft_page_row(), mode="drop"),
+        draft_pages=pages.copy_pages(src, dst))
 
 
 def _finish_chunks(target, draft, state: DecodeState, chunks: PrefillChunks, hidden: Array,
@@ -621,12 +673,61 @@ def _finish_chunks(target, draft, state: DecodeState, chunks: PrefillChunks, hid
     )
     if draft is not None:
         features = aux_hidden if draft.feature_layers else hidden
-        ext = draft_extend(draft, chunks.tokens, following, jnp.maximum(length, 1), features,
-                           chunks.positions(), KVCache(state.draft_pages, chunks.page_row))
+        if state.boundary_features is None:
+            window = chunks.tokens, features, chunks.positions(), length
+            table = chunks.page_row
+        else:
+            window = _draft_window(chunks, features, state.boundary_features,
+                                   state.draft_pages.page_size)
+            table = chunks.draft_page_row()
+            updates.update(boundary_features=_store_boundary_features(
+                state.boundary_features, chunks, features, state.draft_pages.page_size))
+        tokens, features, positions, rows = window
+        ext = draft_extend(draft, tokens, following, jnp.maximum(rows, 1), features, positions,
+                           KVCache(state.draft_pages, table))
         updates.update(draft_pages=ext.cache.pages,
                        draft_hidden=put(state.draft_hidden, ext.hidden),
                        draft_logits=put(state.draft_logits, ext.logits))
     return state._replace(**updates), PrefillOutput(first, lp, top_ids, top_lp)
+
+
+def _draft_window(chunks: PrefillChunks, features: Array, boundary_features: Array,
+                  page_size: int) -> tuple[Array, Array, Array, Array]:
+    """The draft extend's window over each chunk: tokens [L, C + 1], features [L, C + 1,
+    F], positions [L, C + 1] and valid rows [L]. A chunk that follows its request's
+    boundary page (``lead``) starts one position early, at that page's last position,
+    with the target's feature kept there (``boundary_features`` of the page it shares);
+    the others take their C positions and a padding row."""
+    lead = chunks.lead(page_size)
+    shared = jnp.take_along_axis(chunks.page_row, jnp.maximum(chunks.draft_col, 0)[:, None],
+                                 axis=1)[:, 0]
+    pad_token = jnp.zeros_like(chunks.tokens[:, :1])
+    tokens = jnp.where(lead[:, None], jnp.concatenate([pad_token, chunks.tokens], axis=1),
+                       jnp.concatenate([chunks.tokens, pad_token], axis=1))
+    kept = boundary_features[shared][:, None].astype(features.dtype)  # [L, 1, F]
+    features = jnp.where(lead[:, None, None], jnp.concatenate([kept, features], axis=1),
+                         jnp.concatenate([features, jnp.zeros_like(kept)], axis=1))
+    rows = chunks.length + lead
+    j = jnp.arange(tokens.shape[1])[None]
+    positions = jnp.where(j < rows[:, None], (chunks.start - lead)[:, None] + j, PAD_POSITION)
+    return tokens, features, positions, rows
+
+
+def _store_boundary_features(table: Array, chunks: PrefillChunks, features: Array,
+                             page_size: int) -> Array:
+    """``table`` [P, F] with the chunks' features [L, C, F] at the last position of each
+    page they cover, for a later prefix hit's draft (``_draft_window``)."""
+    size = chunks.tokens.shape[1]
+    ends = ((chunks.start // page_size + 1) * page_size - 1)[:, None] + page_size * jnp.arange(
+        size // page_size + 1)[None]  # [L, M] the page ends at or after each start
+    covered = ends < (chunks.start + chunks.length)[:, None]
+    rows = jnp.clip(ends - chunks.start[:, None], 0, size - 1)
+    kept = jnp.take_along_axis(features, rows[..., None], axis=1)  # [L, M, F]
+    cols = jnp.clip(ends // page_size, 0, chunks.page_row.shape[1] - 1)
+    pages = jnp.where(covered, jnp.take_along_axis(chunks.page_row, cols, axis=1),
+                      table.shape[0])  # out of range: dropped
+    return table.at[pages.reshape(-1)].set(
+        kept.reshape(-1, kept.shape[-1]).astype(table.dtype), mode="drop")
 
 
 # The fields ``update_slots`` writes: admissions and releases dispatch an executable over

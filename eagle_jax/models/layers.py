@@ -220,6 +220,16 @@ class KVPages(NamedTuple):
 
         return KVPages(tuple(moved(x) for x in self.k), tuple(moved(x) for x in self.v))
 
+    def copy_pages(self, src: Array, dst: Array) -> "KVPages":
+        """Copies every layer's pages ``src`` [N] to pages ``dst`` [N] (a prefix hit's
+        boundary page into the request's own); a ``dst`` past the pool is dropped."""
+        src = jnp.clip(src, 0, self.num_pages - 1)
+
+        def copied(pool):
+            return pool.at[dst].set(pool[src], mode="drop")
+
+        return KVPages(tuple(copied(x) for x in self.k), tuple(copied(x) for x in self.v))
+
 
 class AttentionBatch(NamedTuple):
     """Where a forward's tokens go in the pool, computed once per forward (all layers).
