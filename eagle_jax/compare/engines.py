@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
-from eagle_jax.engine.engine import Engine, jit_compile
+from eagle_jax.engine.engine import TRACE_LOCK, Engine, jit_compile
 from eagle_jax.eval.recording import StepRecorder
 
 PERTURB_KINDS = ("none", "weight-noise", "flip-token")
@@ -38,7 +38,8 @@ def eager_compile(name: str, fn: Callable, example_args: tuple,
                   donate_argnums: tuple[int, ...]) -> Callable:
     """A ``CompileFn`` whose executables run ``fn``'s equations one by one."""
     del name, donate_argnums  # donation means nothing without an executable to alias in
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
+    with TRACE_LOCK:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
     run_equations = jaxpr_as_fun(closed)
     out_tree = jax.tree.structure(out_shape)
 

@@ -28,6 +28,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import Callable, NamedTuple
 
@@ -129,6 +130,12 @@ def _threefry_key(seed: int) -> np.ndarray:
 # function op by op, or wraps it before jitting.
 CompileFn = Callable[[str, Callable, tuple, tuple[int, ...]], Callable]
 
+# ``precompile`` runs compiles in threads; every ``CompileFn`` traces under this lock.
+# JAX's tracing is not thread-safe (a module it imports on first use registers effect
+# types in a set another thread may be iterating: "Set changed size during iteration"),
+# and under the GIL it would take turns anyway. XLA's compile, the long part, overlaps.
+TRACE_LOCK = threading.Lock()
+
 
 def jit_compile(name: str, fn: Callable, example_args: tuple,
                 donate_argnums: tuple[int, ...]) -> Callable:
@@ -141,7 +148,9 @@ def jit_compile(name: str, fn: Callable, example_args: tuple,
     del name
     host = [i for i, arg in enumerate(example_args) if _is_host_input(arg)]
     if not host:
-        return jax.jit(fn, donate_argnums=donate_argnums).lower(*example_args).compile()
+        with TRACE_LOCK:
+            lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*example_args)
+        return lowered.compile()
     device = [i for i in range(len(example_args)) if i not in host]
     layout = HostLayout([example_args[i] for i in host])
 
@@ -150,9 +159,11 @@ def jit_compile(name: str, fn: Callable, example_args: tuple,
         full.update(zip(host, layout.unpack(args[-1])))
         return fn(*(full[i] for i in range(len(example_args))))
 
-    compiled = jax.jit(unpacked, donate_argnums=tuple(
-        device.index(i) for i in donate_argnums)).lower(
-            *(example_args[i] for i in device), layout.spec).compile()
+    with TRACE_LOCK:
+        lowered = jax.jit(unpacked, donate_argnums=tuple(
+            device.index(i) for i in donate_argnums)).lower(
+                *(example_args[i] for i in device), layout.spec)
+    compiled = lowered.compile()
 
     def call(*args):
         return compiled(*(args[i] for i in device), layout.pack([args[i] for i in host]))
@@ -738,7 +749,7 @@ class Engine:
         """Compiles every prefill and step bucket ahead of serving (their variants that
         compute logprobs ``with_logprobs``), several at once: XLA's compiler runs
         outside the GIL, so threads overlap the compiles (of an 8B-shaped step, ~15 s
-        each on one core) while tracing takes turns."""
+        each on one core) while tracing takes turns (``TRACE_LOCK``)."""
         jobs = [lambda n=n, c=c: self._prefill_fn(n, c, with_logprobs)
                 for n, c in self._prefill_shapes()] + [
             lambda b=b, s=s: self._step_fn(b, with_logprobs, draft_length=s)
