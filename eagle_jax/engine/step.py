@@ -156,6 +156,11 @@ class PrefillChunks(NamedTuple):
         """[L] bool: the chunk starts right after its request's boundary page."""
         return (self.draft_col >= 0) & (self.start == (self.draft_col + 1) * page_size)
 
+    def boundary_page(self) -> Array:
+        """[L] the shared page at column ``draft_col`` (column 0's where there is none)."""
+        return jnp.take_along_axis(self.page_row, jnp.maximum(self.draft_col, 0)[:, None],
+                                   axis=1)[:, 0]
+
     def draft_page_row(self) -> Array:
         """[L, max_pages] the page-table rows the draft reads its pool through."""
         col = jnp.arange(self.page_row.shape[1])[None]
@@ -633,13 +638,11 @@ def _apply_chunk_pages(state: DecodeState, chunks: PrefillChunks | None) -> Deco
         return state
     pages = state.draft_pages
     lead = chunks.lead(pages.page_size)
-    src = jnp.take_along_axis(chunks.page_row, jnp.maximum(chunks.draft_col, 0)[:, None],
-                              axis=1)[:, 0]
     dst = jnp.where(lead, chunks.draft_page, pages.num_pages)  # out of range: dropped
     return state._replace(
         draft_page_table=state.draft_page_table.at[chunks.slot].set(
             chunks.draft_page_row(), mode="drop"),
-        draft_pages=pages.copy_pages(src, dst))
+        draft_pages=pages.copy_pages(chunks.boundary_page(), dst))
 
 
 def _finish_chunks(target, draft, state: DecodeState, chunks: PrefillChunks, hidden: Array,
@@ -699,12 +702,10 @@ def _draft_window(chunks: PrefillChunks, features: Array, boundary_features: Arr
     with the target's feature kept there (``boundary_features`` of the page it shares);
     the others take their C positions and a padding row."""
     lead = chunks.lead(page_size)
-    shared = jnp.take_along_axis(chunks.page_row, jnp.maximum(chunks.draft_col, 0)[:, None],
-                                 axis=1)[:, 0]
     pad_token = jnp.zeros_like(chunks.tokens[:, :1])
     tokens = jnp.where(lead[:, None], jnp.concatenate([pad_token, chunks.tokens], axis=1),
                        jnp.concatenate([chunks.tokens, pad_token], axis=1))
-    kept = boundary_features[shared][:, None].astype(features.dtype)  # [L, 1, F]
+    kept = boundary_features[chunks.boundary_page()][:, None].astype(features.dtype)
     features = jnp.where(lead[:, None, None], jnp.concatenate([kept, features], axis=1),
                          jnp.concatenate([features, jnp.zeros_like(kept)], axis=1))
     rows = chunks.length + lead
