@@ -205,8 +205,9 @@ class PageAllocator:
         return PrefixHit(hit)
 
     def features_written(self, owner: int, start: int, end: int) -> None:
-        """Records that a prefill chunk over positions [start, end) of ``owner`` kept the
-        target's feature at the last position of each page it covers."""
+        """Records that the target's feature at the last position of each page that
+        positions [start, end) of ``owner`` cover was kept (by the prefill chunk or the
+        decode step that computed them)."""
         pages = self._owned.get(owner, [])
         first = (start // self.page_size + 1) * self.page_size - 1
         for last in range(first, end, self.page_size):

@@ -25,9 +25,10 @@ last row of the last shared page (the boundary page) took the token after the pa
 the request that computed it. Where the new request's token there differs, the draft
 reads its own copy of that page (``draft_page_table``: the target's table with that one
 entry replaced), and the request's first chunk recomputes the row into it: its draft
-extend starts one position early, with the target's feature there kept from that
-earlier prefill (``boundary_features``, written at each page's last position by every
-prefill chunk). So the target computes none of the cached positions and the draft one.
+extend starts one position early, with the target's feature there kept from the step
+that computed it (``boundary_features``, written at each page's last position by every
+prefill chunk and by every verify that accepts that position). So the target computes
+none of the cached positions and the draft one.
 
 A step may carry the next prompt chunk of each of L requests in prefill (``chunks``):
 their L x C positions become L C / W extra rows of the step's width W beside the B
@@ -399,16 +400,17 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     # accepted drafts, at seq_len .. seq_len + accept; the emitted token follows them).
     # Rows past the accepted prefix are padding; only row `accept` goes through the LM
     # head (000). A step that drafted nothing leaves it to catch_up_draft.
+    committed_pos = jnp.where(window[None] <= accept[:, None], verify_pos, PAD_POSITION)
     if S == 0:
         state, ext = _append_lag(state, batch, last, features[:, 0], active), None
     else:
-        ext_pos = jnp.where(window[None] <= accept[:, None], verify_pos, PAD_POSITION)
-        ext = draft_extend(draft, verify_tokens, emitted, accept + 1, features, ext_pos,
+        ext = draft_extend(draft, verify_tokens, emitted, accept + 1, features, committed_pos,
                            draft_cache)
 
     # 5. Commit.
     lp = (token_logprobs(target_logits, res.tokens, vocab_size) if with_logprobs
           else (None,) * 3)
+    state = _store_step_features(state, batch, features, committed_pos)
     return _commit(target, draft, state, batch, res, emitted, keys, target_pages, ext, lp,
                    chunks, chunk_hidden, chunk_aux, vocab_size=vocab_size)
 
@@ -510,13 +512,14 @@ def tree_spec_step(target, draft, state: DecodeState, page_updates: Array, *, ba
     target_pages = target_pages.move(src, dst)
 
     # 5. Draft extend over the committed path (overwriting the tree's scratch rows).
+    path_features = jnp.take_along_axis(features, path[:, :, None], axis=1)
     ext = draft_extend(draft, jnp.take_along_axis(verify_tokens, path, axis=1), emitted,
-                       accept + 1, jnp.take_along_axis(features, path[:, :, None], axis=1),
-                       path_pos, tree.draft_cache)
+                       accept + 1, path_features, path_pos, tree.draft_cache)
 
     # 6. Commit.
     lp = (token_logprobs(jnp.take_along_axis(target_logits, path[:, :, None], axis=1),
                          res.tokens, vocab_size) if with_logprobs else (None,) * 3)
+    state = _store_step_features(state, batch, path_features, path_pos)
     return _commit(target, draft, state, batch, res, emitted, keys, target_pages, ext, lp,
                    chunks, chunk_hidden, chunk_aux, vocab_size=vocab_size)
 
@@ -729,6 +732,25 @@ def _store_boundary_features(table: Array, chunks: PrefillChunks, features: Arra
                       table.shape[0])  # out of range: dropped
     return table.at[pages.reshape(-1)].set(
         kept.reshape(-1, kept.shape[-1]).astype(table.dtype), mode="drop")
+
+
+def _store_step_features(state: DecodeState, batch: int, features: Array,
+                         positions: Array) -> DecodeState:
+    """The state with a step's committed features [B, W, F] (at ``positions`` [B, W],
+    PAD_POSITION where a row committed none) kept at the last position of each page, as
+    ``_store_boundary_features`` keeps a prefill's: a page that decode steps complete
+    serves a later hit as its boundary page too."""
+    table = state.boundary_features
+    if table is None:
+        return state
+    page_size = state.draft_pages.page_size
+    page_end = (positions < PAD_POSITION) & (positions % page_size == page_size - 1)
+    page_table = state.page_table[:batch]
+    cols = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    pages = jnp.where(page_end, jnp.take_along_axis(page_table, cols, axis=1),
+                      table.shape[0])  # out of range: dropped
+    return state._replace(boundary_features=table.at[pages.reshape(-1)].set(
+        features.reshape(-1, features.shape[-1]).astype(table.dtype), mode="drop"))
 
 
 # The fields ``update_slots`` writes: admissions and releases dispatch an executable over
