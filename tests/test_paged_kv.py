@@ -487,10 +487,11 @@ def _step_until_done(engine, tokens: dict, cached: dict, watch: str | None, prom
     return rows
 
 
-@pytest.mark.parametrize("algo", ["EAGLE3", "NONE"])
-def test_a_prefix_cache_hit_gives_identical_greedy_output_and_accept_lengths(algo):
+@pytest.mark.parametrize("algo,tree", [("EAGLE3", False), ("EAGLE3", True), ("NONE", False)])
+def test_a_prefix_cache_hit_gives_identical_greedy_output_and_accept_lengths(algo, tree):
     """The shipped pair (a draft that accepts, so a stale draft row would show in the
-    accept lengths), pages of 16, requests one after another over one 70-token prefix:
+    accept lengths), chain or tree drafting, pages of 16, requests one after another over
+    one 70-token prefix:
     the first computes it; the second shares its 4 full pages (the partial fifth is
     recomputed); the third shares the first 64 tokens and then differs, so the draft's
     last row of page 4 (which took token 64) is stale for it: the EAGLE engine shares
@@ -518,7 +519,8 @@ def test_a_prefix_cache_hit_gives_identical_greedy_output_and_accept_lengths(alg
             model=DEFAULT_TARGET, draft_model=DEFAULT_DRAFT if algo == "EAGLE3" else None,
             speculative_algorithm=algo, dtype="float32", max_model_len=192, max_num_seqs=2,
             batch_buckets=(2,), prefill_buckets=(32,), compilation_cache_dir="",
-            enable_prefix_caching=caching))
+            enable_prefix_caching=caching,
+            **(dict(speculative_eagle_topk=3, num_draft_tokens=8) if tree else {})))
         accepts = _accept_lengths(engine)
         tokens, cached = {}, {}
         for i, prompt in enumerate(prompts[:2]):
@@ -597,6 +599,44 @@ def test_a_boundary_hit_carried_by_decode_steps_keeps_the_drafts_rows(tree):
     np.testing.assert_allclose(rows, ref_rows, rtol=1e-4, atol=1e-4)
     assert cached["parting"] == 64
     assert sum(accepts["parting"]) > len(accepts["parting"])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_decode_steps_keep_the_targets_feature_at_each_page_end(tree):
+    """The shipped pair, pages of 16, chain or tree drafting (its accepted nodes lie off
+    the first rows of the verify): a 40-token prompt generates 144 tokens, so decode
+    steps complete pages 2 to 10. The feature each verify kept at those pages' last
+    positions (47, 63, .., 175) equals the one a prefill of the same 184 tokens keeps
+    there. The kept features start poisoned (NaN), so a page end no step wrote fails."""
+    import jax.numpy as jnp
+
+    from eagle_jax.assets import DEFAULT_DRAFT, DEFAULT_TARGET
+    from eagle_jax.tokenizer import Tokenizer
+
+    code = Tokenizer.from_dir(DEFAULT_TARGET).encode(open(__file__).read())
+    greedy = SamplingParams(temperature=0.0, max_tokens=144, ignore_eos=True)
+
+    def kept_features(tokens: list[int], params: SamplingParams):
+        """-> (the request's tokens, the kept features of its first 11 pages [11, F])."""
+        engine = Engine(EngineConfig(
+            model=DEFAULT_TARGET, draft_model=DEFAULT_DRAFT, speculative_algorithm="EAGLE3",
+            dtype="float32", max_model_len=192, max_num_seqs=2, batch_buckets=(2,),
+            prefill_buckets=(32,), compilation_cache_dir="",
+            **(dict(speculative_eagle_topk=3, num_draft_tokens=8) if tree else {})))
+        engine.state = engine.state._replace(
+            boundary_features=jnp.full_like(engine.state.boundary_features, jnp.nan))
+        made, _ = _run(engine, [("r", tokens, params)])
+        text = tokens + made["r"]
+        hit = engine.page_allocator.match(page_hashes(text, 16), text, len(text) - 1,
+                                          check_next=False)
+        assert len(hit.pages) >= 11
+        return made["r"], np.asarray(engine.state.boundary_features)[hit.pages[:11]]
+
+    made, decoded = kept_features(code[:40], greedy)
+    _, prefilled = kept_features(code[:40] + made,
+                                 SamplingParams(temperature=0.0, max_tokens=1))
+    assert len(made) == 144 and not np.isnan(prefilled).any()
+    np.testing.assert_allclose(decoded, prefilled, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("partial", [1, 4])
