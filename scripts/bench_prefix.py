@@ -260,6 +260,24 @@ def streams_row(engine: Engine, budget: int, args, vocab: int, seed: int) -> dic
                 gc_pauses_over_1ms=[(g, 1e3 * t) for g, t in pauses.pauses if t > 1e-3])
 
 
+def _check_memory(kv_bytes: int, engines: int, headroom: int = 4 << 30) -> None:
+    """Stops, naming the fix, where ``engines`` KV pools of ``kv_bytes`` beside the models
+    (already on the device) and ``headroom`` for activations would not fit JAX's share
+    of the device: past it, the allocator retries and compiles for minutes before it
+    fails."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return  # a CPU: no fixed limit to check
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if engines * kv_bytes + headroom > free:
+        most = max((free - headroom) // engines >> 30, 0)
+        raise SystemExit(
+            f"{engines} engine(s) of {kv_bytes / (1 << 30):.1f} GiB KV each need "
+            f"{(engines * kv_bytes + headroom) / (1 << 30):.1f} GiB beside the models; "
+            f"{free / (1 << 30):.1f} GiB of JAX's device memory are free: pass "
+            f"--kv-gib {most} or less (or raise XLA_PYTHON_CLIENT_MEM_FRACTION)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefix", type=int, default=2048)
@@ -276,6 +294,9 @@ def main(argv=None):
     ap.add_argument("--num-steps", type=int, default=5)
     ap.add_argument("--acceptance", type=float, default=0.83)
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="each engine's KV pool in GiB (default 24; 0.25 with --small); the "
+                         "ttft part holds two engines at once")
     ap.add_argument("--only", default="ttft,streams", help="parts to run (comma-separated)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default="", help="trace prefix-cache hits into DIR and "
@@ -289,6 +310,8 @@ def main(argv=None):
     target = random_target(shape, dtype)
     draft = random_eagle3(target, dtype, min(32000, shape["vocab_size"]))
     vocab = shape["vocab_size"]
+    kv_bytes = int((args.kv_gib or (0.25 if args.small else 24)) * (1 << 30))
+    _check_memory(kv_bytes, engines=2 if "ttft" in args.only.split(",") else 1)
     max_len = max(args.long, args.prefix + args.suffix) + 512
     budgets = [int(b) for b in args.budgets.split(",")]
 
@@ -299,7 +322,7 @@ def main(argv=None):
             num_steps=args.num_steps, speculative_policy="fixed",
             synthetic_acceptance=args.acceptance, dtype="bfloat16",
             max_model_len=max_len, max_num_seqs=slots, batch_buckets=buckets,
-            kv_cache_memory=(256 << 20) if args.small else (24 << 30),
+            kv_cache_memory=kv_bytes,
             enable_prefix_caching=caching, max_num_batched_tokens=budget,
             prefill_buckets=prefill,
             compilation_cache_dir=args.compilation_cache), target=target, draft=draft)

@@ -1340,7 +1340,7 @@ class Engine:
         tokens, num_tokens = out.tokens.tolist(), out.num_tokens.tolist()
         for slot, req in live.items():
             n = num_tokens[slot]
-            if self.state.boundary_features is not None:  # its verify kept the page ends'
+            if self.state.boundary_features is not None:  # (the step kept their features)
                 self.page_allocator.features_written(slot, req.seq_len, req.seq_len + n)
             req.seq_len += n
             toks = tokens[slot][:n]

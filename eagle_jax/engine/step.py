@@ -686,8 +686,9 @@ def _finish_chunks(target, draft, state: DecodeState, chunks: PrefillChunks, hid
             window = _draft_window(chunks, features, state.boundary_features,
                                    state.draft_pages.page_size)
             table = chunks.draft_page_row()
-            updates.update(boundary_features=_store_boundary_features(
-                state.boundary_features, chunks, features, state.draft_pages.page_size))
+            updates.update(boundary_features=_keep_page_end_features(
+                state.boundary_features, chunks.page_row, features, chunks.positions(),
+                state.draft_pages.page_size))
         tokens, features, positions, rows = window
         ext = draft_extend(draft, tokens, following, jnp.maximum(rows, 1), features, positions,
                            KVCache(state.draft_pages, table))
@@ -717,40 +718,29 @@ def _draft_window(chunks: PrefillChunks, features: Array, boundary_features: Arr
     return tokens, features, positions, rows
 
 
-def _store_boundary_features(table: Array, chunks: PrefillChunks, features: Array,
-                             page_size: int) -> Array:
-    """``table`` [P, F] with the chunks' features [L, C, F] at the last position of each
-    page they cover, for a later prefix hit's draft (``_draft_window``)."""
-    size = chunks.tokens.shape[1]
-    ends = ((chunks.start // page_size + 1) * page_size - 1)[:, None] + page_size * jnp.arange(
-        size // page_size + 1)[None]  # [L, M] the page ends at or after each start
-    covered = ends < (chunks.start + chunks.length)[:, None]
-    rows = jnp.clip(ends - chunks.start[:, None], 0, size - 1)
-    kept = jnp.take_along_axis(features, rows[..., None], axis=1)  # [L, M, F]
-    cols = jnp.clip(ends // page_size, 0, chunks.page_row.shape[1] - 1)
-    pages = jnp.where(covered, jnp.take_along_axis(chunks.page_row, cols, axis=1),
+def _keep_page_end_features(table: Array, page_table: Array, features: Array,
+                            positions: Array, page_size: int) -> Array:
+    """``table`` [P, F] with the features [R, W, F] computed at ``positions`` [R, W]
+    (PAD_POSITION where none) kept where a position is its page's last, for a later
+    prefix hit's draft (``_draft_window``); row r's pages are ``page_table[r]``. Prefill
+    chunks and verify steps both keep them, so every page can be a boundary page."""
+    page_end = (positions < PAD_POSITION) & (positions % page_size == page_size - 1)
+    cols = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    pages = jnp.where(page_end, jnp.take_along_axis(page_table, cols, axis=1),
                       table.shape[0])  # out of range: dropped
     return table.at[pages.reshape(-1)].set(
-        kept.reshape(-1, kept.shape[-1]).astype(table.dtype), mode="drop")
+        features.reshape(-1, features.shape[-1]).astype(table.dtype), mode="drop")
 
 
 def _store_step_features(state: DecodeState, batch: int, features: Array,
                          positions: Array) -> DecodeState:
-    """The state with a step's committed features [B, W, F] (at ``positions`` [B, W],
-    PAD_POSITION where a row committed none) kept at the last position of each page, as
-    ``_store_boundary_features`` keeps a prefill's: a page that decode steps complete
-    serves a later hit as its boundary page too."""
-    table = state.boundary_features
-    if table is None:
+    """The state after a verify step whose rows committed features [B, W, F] at
+    ``positions`` [B, W] (PAD_POSITION past each row's accepted ones)."""
+    if state.boundary_features is None:
         return state
-    page_size = state.draft_pages.page_size
-    page_end = (positions < PAD_POSITION) & (positions % page_size == page_size - 1)
-    page_table = state.page_table[:batch]
-    cols = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
-    pages = jnp.where(page_end, jnp.take_along_axis(page_table, cols, axis=1),
-                      table.shape[0])  # out of range: dropped
-    return state._replace(boundary_features=table.at[pages.reshape(-1)].set(
-        features.reshape(-1, features.shape[-1]).astype(table.dtype), mode="drop"))
+    return state._replace(boundary_features=_keep_page_end_features(
+        state.boundary_features, state.page_table[:batch], features, positions,
+        state.draft_pages.page_size))
 
 
 # The fields ``update_slots`` writes: admissions and releases dispatch an executable over
