@@ -275,7 +275,7 @@ def _check_memory(kv_bytes: int, engines: int, headroom: int = 4 << 30) -> None:
             f"{engines} engine(s) of {kv_bytes / (1 << 30):.1f} GiB KV each need "
             f"{(engines * kv_bytes + headroom) / (1 << 30):.1f} GiB beside the models; "
             f"{free / (1 << 30):.1f} GiB of JAX's device memory are free: pass "
-            f"--kv-gib {most} or less (or raise XLA_PYTHON_CLIENT_MEM_FRACTION)")
+            f"--kv-cache-gib {most} or less (or raise XLA_PYTHON_CLIENT_MEM_FRACTION)")
 
 
 def main(argv=None):
@@ -294,7 +294,7 @@ def main(argv=None):
     ap.add_argument("--num-steps", type=int, default=5)
     ap.add_argument("--acceptance", type=float, default=0.83)
     ap.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
-    ap.add_argument("--kv-gib", type=float, default=None,
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="each engine's KV pool in GiB (default 24; 0.25 with --small); the "
                          "ttft part holds two engines at once")
     ap.add_argument("--only", default="ttft,streams", help="parts to run (comma-separated)")
@@ -304,14 +304,18 @@ def main(argv=None):
     ap.add_argument("--compilation-cache", default="/tmp/eagle_jax_bench_cache",
                     help="JAX's persistent cache: engines of the same shapes compile once")
     args = ap.parse_args(argv)
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        ap.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     shape = SMALL if args.small else LLAMA_8B
     dtype = jnp.bfloat16
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
     target = random_target(shape, dtype)
     draft = random_eagle3(target, dtype, min(32000, shape["vocab_size"]))
     vocab = shape["vocab_size"]
-    kv_bytes = int((args.kv_gib or (0.25 if args.small else 24)) * (1 << 30))
-    _check_memory(kv_bytes, engines=2 if "ttft" in args.only.split(",") else 1)
+    kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else 0.25 if args.small else 24
+    kv_bytes = int(kv_gib * (1 << 30))
+    _check_memory(kv_bytes, engines=2 if "ttft" in args.only.split(",") and not args.profile
+                  else 1)
     max_len = max(args.long, args.prefix + args.suffix) + 512
     budgets = [int(b) for b in args.budgets.split(",")]
 
