@@ -376,6 +376,26 @@ def test_explicit_max_model_len_beyond_the_pool_is_an_error(models):
         _engine(models, "NONE", kv_cache_memory=_pool_bytes(probe, 40), precompile=False)
 
 
+def test_kv_cache_memory_beyond_the_free_device_memory_is_an_error(models, monkeypatch):
+    """A device that reports its memory (faked here: a CPU reports none): an explicit
+    kv_cache_memory whose pool would not fit what is free beside the weights raises at
+    construction, naming what fits; one that fits builds; unset, the pool takes the
+    default fraction of the free memory."""
+    probe = _engine(models, "EAGLE3", precompile=False)
+    need = _pool_bytes(probe, 96)
+    free = {"bytes": need - 1}
+    monkeypatch.setattr(Engine, "_free_device_memory", lambda self: free["bytes"])
+    with pytest.raises(ValueError, match=rf"kv_cache_memory={need} .* exceeds the .* GiB of "
+                       r"device memory free beside the weights; pass at most ~\d+ MiB"):
+        _engine(models, "EAGLE3", kv_cache_memory=need, precompile=False)
+    free["bytes"] = need
+    assert _engine(models, "EAGLE3", kv_cache_memory=need,
+                   precompile=False).num_pages * probe.page_size == 96
+    free["bytes"] = 4 * _pool_bytes(probe, 160)
+    unset = _engine(models, "EAGLE3", max_model_len=None, precompile=False)
+    assert unset.num_pages * unset.page_size == 3 * 160  # 0.75 of the free memory
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("page_size", 12, "page_size must be a power of two"),
     ("kv_cache_memory", 0, "kv_cache_memory must be a positive byte count"),

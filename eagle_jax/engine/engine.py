@@ -407,18 +407,41 @@ class Engine:
         cfg = self.config
         if cfg.kv_cache_memory is not None:
             return cfg.kv_cache_memory
-        # This process's first device (another process's cannot be asked); processes
-        # then agree on the smallest budget, since the pool is one array over all.
-        local = next(d for d in self.devices if d.process_index == jax.process_index())
-        stats = local.memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        if limit is None:
+        free = self._free_device_memory()
+        if free is None:
             if cfg.kv_cache_memory_fraction is not None:
                 raise ValueError("kv_cache_memory_fraction needs a device that reports its "
                                  "memory; pass kv_cache_memory (bytes) instead")
             return None
         fraction = cfg.kv_cache_memory_fraction or DEFAULT_KV_CACHE_MEMORY_FRACTION
-        return parallel.min_over_processes(int((limit - stats.get("bytes_in_use", 0)) * fraction))
+        return int(free * fraction)
+
+    def _free_device_memory(self) -> int | None:
+        """Bytes JAX may still allocate on each device, the weights already placed; None on
+        a device that does not report its memory (a CPU). This process's first device
+        (another process's cannot be asked); processes then agree on the smallest, since
+        the pool is one array over all."""
+        local = next(d for d in self.devices if d.process_index == jax.process_index())
+        stats = local.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return None
+        return parallel.min_over_processes(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+    def _check_pool_fits(self) -> None:
+        """An explicit ``kv_cache_memory`` larger than the device's free memory is an error
+        now, naming the most that fits, rather than minutes later in the allocator's
+        retries."""
+        if self.config.kv_cache_memory is None:
+            return  # a fraction of the free memory: fits by construction
+        free = self._free_device_memory()
+        if free is not None and self.kv_bytes > free:
+            gib = 1 << 30
+            raise ValueError(
+                f"kv_cache_memory={self.config.kv_cache_memory} ({self.kv_bytes / gib:.2f} GiB "
+                f"of KV pool per device) exceeds the {free / gib:.2f} GiB of device memory "
+                f"free beside the weights; pass at most ~{int(0.9 * free) >> 20} MiB, leaving "
+                "room for activations (or leave it unset: kv_cache_memory_fraction, default "
+                f"{DEFAULT_KV_CACHE_MEMORY_FRACTION}, of the free memory)")
 
     def _size_pool(self) -> None:
         """Sets max_model_len, the pool's page count and the page table's width."""
@@ -440,6 +463,7 @@ class Engine:
                         plan.num_pages * self.page_size)
         self.max_model_len, self.num_pages, self.max_pages = plan
         self.kv_bytes = self.num_pages * self.page_size * self._bytes_per_token()
+        self._check_pool_fits()
         self.page_allocator = PageAllocator(self.num_pages, self.page_size, self.max_pages,
                                     prefix_caching=self.config.enable_prefix_caching)
         # Page-table entries a step may add: each running request grows by at most one
