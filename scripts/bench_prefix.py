@@ -2,7 +2,8 @@
 
 The Llama-3.1-8B-shaped bfloat16 target and EAGLE-3 draft of ``bench_engine.py``
 (random weights; the speculative engine fixes its accept length with
-``synthetic_acceptance``), every bucket compiled before timing.
+``synthetic_acceptance``); every executable a timed request runs is compiled before
+timing (the time-to-first-token engines compile lazily, by warm-up requests).
 
 1. **Time to first token** of a request whose prompt is a ``--prefix``-token prefix
    another request computed before plus a ``--suffix``-token suffix (a prefix-cache hit),
@@ -124,9 +125,16 @@ def ttft_rows(engines: dict, args, vocab: int) -> list[dict]:
     rows = []
     n = args.ttft_max_tokens
     for name, engine in engines.items():
+        # The engines compile lazily: these requests compile what the timed ones run (a
+        # miss's chunks, a hit's, a fresh prompt's, the decode steps), checked below.
         warm = [int(t) for t in rng.integers(10, vocab, args.prefix + args.suffix)]
         _first_token_time(engine, f"{name}-warm", warm, n)
+        before = engine.prefix_cache_hits
         _first_token_time(engine, f"{name}-warm-hit", warm[:args.prefix] + warm[:args.suffix], n)
+        computed = args.prefix + args.suffix - (engine.prefix_cache_hits - before)
+        _first_token_time(engine, f"{name}-warm-fresh",
+                          [int(t) for t in rng.integers(10, vocab, computed)], n)
+        compiled = engine.num_compiled
         miss, hit, third, cached, fresh = [], [], [], [], []
         for r in range(args.repeats):
             prefix = [int(t) for t in rng.integers(10, vocab, args.prefix)]
@@ -143,6 +151,10 @@ def ttft_rows(engines: dict, args, vocab: int) -> list[dict]:
             computed = args.prefix + args.suffix - cached[-1]
             fresh.append(_first_token_time(engine, f"{name}-f{r}", [
                 int(t) for t in rng.integers(10, vocab, computed)], n))
+        if engine.num_compiled != compiled:
+            raise SystemExit(f"{name}: the timed requests compiled "
+                             f"{engine.num_compiled - compiled} executable(s) the warm-up "
+                             "did not: their times include compiles; warm those shapes up")
         row = dict(engine=name, prefix=args.prefix, suffix=args.suffix, max_tokens=n,
                    miss_ttft_ms=1e3 * statistics.median(miss),
                    second_ttft_ms=1e3 * statistics.median(hit),
@@ -320,7 +332,7 @@ def main(argv=None):
     budgets = [int(b) for b in args.budgets.split(",")]
 
     def engine(caching=True, budget=2048, slots=8, buckets=(1, 8),
-               prefill=DEFAULT_PREFILL_BUCKETS):
+               prefill=DEFAULT_PREFILL_BUCKETS, precompile=True):
         return Engine(EngineConfig(
             model="random", draft_model="random", speculative_algorithm="EAGLE3",
             num_steps=args.num_steps, speculative_policy="fixed",
@@ -329,20 +341,24 @@ def main(argv=None):
             kv_cache_memory=kv_bytes,
             enable_prefix_caching=caching, max_num_batched_tokens=budget,
             prefill_buckets=prefill,
-            compilation_cache_dir=args.compilation_cache), target=target, draft=draft)
+            precompile=precompile, compilation_cache_dir=args.compilation_cache),
+            target=target, draft=draft)
 
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=shape,
                   num_steps=args.num_steps, acceptance=args.acceptance)
     parts = args.only.split(",")
     if args.profile:
-        on = engine(budget=16384)
+        on = engine(budget=16384, precompile=False)
         _first_token_time(on, "warm", [int(t) for t in np.arange(args.prefix + args.suffix) % vocab])
         print(f"device time per prefix-cache hit ({args.prefix} cached + {args.suffix}):")
         print_profile(hit_profile(on, args, vocab, args.profile), top=40)
         return
     result["ttft"] = [] if "ttft" not in parts else ttft_rows(
-        {"prefix caching": engine(budget=16384),
-         "no prefix caching": engine(caching=False, budget=16384)}, args, vocab)
+        # Compiled lazily, by their warm-up requests: all 29 buckets of two engines take
+        # over 9 minutes on an H200, more than one device call (2026-12-06).
+        {"prefix caching": engine(budget=16384, precompile=False),
+         "no prefix caching": engine(caching=False, budget=16384, precompile=False)},
+        args, vocab)
     result["streams"] = []
     slots = 1 << (args.streams).bit_length()  # the streams and the long prompt
     for budget in budgets if "streams" in parts else []:

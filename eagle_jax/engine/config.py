@@ -76,7 +76,8 @@ class EngineConfig:
         its arithmetic (several chunks at once gain nothing there).
       batch_buckets / prefill_buckets: compiled batch sizes and prompt chunk lengths.
       kv_cache_memory: KV pool budget in bytes (per device: tensor-parallel, each device
-        holds its kv heads' share of the pool); kv_cache_memory_fraction: or this share
+        holds its kv heads' share of the pool; more than a device has free beside the
+        weights is an error at start); kv_cache_memory_fraction: or this share
         of the free device memory (a GPU; default 0.75 there). On a CPU without either,
         the pool holds max_num_seqs requests of max_model_len.
       tensor_parallel_size: N, devices the target is split over (``eagle_jax.parallel``:

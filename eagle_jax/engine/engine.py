@@ -533,6 +533,12 @@ class Engine:
         return self.model_config.hidden_size * (len(layers) if layers else 1)
 
     # ------------------------------------------------------------ compilation
+    @property
+    def num_compiled(self) -> int:
+        """Executables compiled so far: a benchmark that compiles lazily checks that its
+        timed requests compiled none."""
+        return len(self._compiled)
+
     def _executable(self, key: tuple, build: Callable[[], tuple]) -> Callable:
         """The executable cached under ``key``; on first use ``build()`` gives (function,
         example arguments, donated argument indices) and ``compile_fn`` compiles it.
