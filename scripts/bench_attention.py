@@ -16,9 +16,11 @@ One run does three things, in this order:
    block at the same size, decode B=1 x 32768, decode B=64 x 128 live tokens with a page
    table sized for 32768 (the cost must follow the live tokens), a 512-token prefill
    chunk over 4096 tokens (compute bound; TFLOP/s), a prefix-cache hit as the engine
-   runs it (``suffix``: 80 live rows of a 128-row block over 2112 keys, an 8704-token
-   table; before 2026-12-05 a fully live 128-token chunk over 2048), a fresh prompt of
-   the hit's 80 positions (``fresh``, over its own 80 keys) and a 128-token chunk
+   runs it (``suffix``: its 64 new positions in the 64-row bucket over 2112 keys, an
+   8704-token table; 80 live rows of a 128-row block until 2026-12-06, when a hit began
+   sharing its boundary page; before 2026-12-05 a fully live 128-token chunk over 2048),
+   a fresh prompt of the hit's 64 positions (``fresh``, over its own 64 keys) and a
+   128-token chunk
    riding late in a long prompt (``rider``, over 8192). Per row: kernel ms, live KV
    bytes, GB/s, % of copy bandwidth, the reference's ms and the ratio.
    The kernel is timed as R calls inside one jit on R different query arrays (divided
@@ -220,7 +222,7 @@ def main():
     B, ctx, long_ctx, short_ctx, table_ctx, chunk = 4, 96, 600, 8, 400, 32
   else:
     B, ctx, long_ctx, short_ctx, table_ctx, chunk = 64, 4096, 32768, 128, 32768, 512
-  hit_q = chunk // 8 + chunk // 32  # 80 of 128: 64 new tokens + one 16-token page
+  hit_q = chunk // 8  # the 64 new tokens, in the 64-position bucket
   hit_kv, hit_table = ctx // 2 + chunk // 8, 2 * ctx + 512  # 2112 keys; 8704
   rows = {
       # name: (label, B, T, kv, q_len, table tokens, tree)
@@ -232,15 +234,15 @@ def main():
                 table_ctx, False),
       "prefill": (f"prefill chunk {chunk} over {ctx}, B=1", 1, chunk, ctx, chunk, None, False),
       # A prefix-cache hit as the engine runs it (docs/BENCHMARKS.md, issue 14): a
-      # 2048-token prefix + 64 computes 80 positions (the prefix's last page again, for
-      # the draft) in the 128-row bucket, over a table of max_model_len 8704. A fully
-      # live block ranked the split settings the other way round (2026-12-05).
-      "suffix": (f"prefix-cache hit: {hit_q} of {chunk // 4} positions over {hit_kv}, B=1 "
-                 f"(table {hit_table})", 1, chunk // 4, hit_kv, hit_q, hit_table, False),
+      # 2048-token prefix + 64 computes its 64 new positions in the 64-row bucket (the
+      # target shares the prefix's last page; the draft recomputes its one stale row),
+      # over a table of max_model_len 8704.
+      "suffix": (f"prefix-cache hit: {hit_q} positions over {hit_kv}, B=1 "
+                 f"(table {hit_table})", 1, hit_q, hit_kv, hit_q, hit_table, False),
       # A fresh prompt of the hit's computed length: what the hit's attention costs beyond
       # its own positions is ``suffix`` less this.
-      "fresh": (f"fresh prompt: {hit_q} of {chunk // 4} positions over {hit_q}, B=1 "
-                f"(table {hit_table})", 1, chunk // 4, hit_q, hit_q, hit_table, False),
+      "fresh": (f"fresh prompt: {hit_q} positions over {hit_q}, B=1 "
+                f"(table {hit_table})", 1, hit_q, hit_q, hit_q, hit_table, False),
       # A prompt chunk riding in a decode step, late in a long prompt.
       "rider": (f"prefill chunk {chunk // 4} over {2 * ctx}, B=1", 1, chunk // 4, 2 * ctx,
                 chunk // 4, None, False),
@@ -267,6 +269,13 @@ def main():
       configs += [dict(num_stages=3), dict(num_stages=4), dict(num_stages=5),
                   dict(block_n=64, num_stages=3), dict(block_n=64, num_stages=4),
                   dict(block_q=16), dict(block_q=64)]
+      # Shorter splits (one or two key tiles a program) and a query tile holding a KV
+      # head's every row of the hit (fewer re-reads of its keys): the hit's 64 rows
+      # over 2112 keys take 33 us a layer for 8.65 MB of K and V on an H200, latency-
+      # rather than bandwidth-bound (docs/BENCHMARKS.md, 2026-12-06).
+      configs += [dict(num_splits=16, min_split=128), dict(num_splits=32, min_split=64,
+                                                            block_n=64),
+                  dict(block_q=128, num_warps=8)]
     elif args.sweep and name != "tree":  # tree verify: as verify
       s = default.num_splits
       configs += [dict(block_n=32), dict(block_n=128), dict(num_warps=12 - default.num_warps),
