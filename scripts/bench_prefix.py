@@ -275,8 +275,9 @@ def streams_row(engine: Engine, budget: int, args, vocab: int, seed: int) -> dic
 def _check_memory(kv_bytes: int, engines: int, headroom: int = 4 << 30) -> None:
     """Stops, naming the fix, where ``engines`` KV pools of ``kv_bytes`` beside the models
     (already on the device) and ``headroom`` for activations would not fit JAX's share
-    of the device: past it, the allocator retries and compiles for minutes before it
-    fails."""
+    of the device. The engine itself refuses a pool larger than the free memory, but
+    only as it is built, and with no room kept for activations: a pool that leaves too
+    little fails later, in the allocator's retries."""
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return  # a CPU: no fixed limit to check
