@@ -18,7 +18,9 @@ timing (the time-to-first-token engines compile lazily, by warm-up requests).
    most the ratio can reach: a hit computes those positions too, so it is never faster
    than the fresh prompt. A third request on the prefix (``third``) is a hit after a
    hit: a hit right after its miss also pays XLA's update of the prefill's CUDA graph,
-   whose buffers the miss's larger chunks moved.
+   whose buffers the miss's larger chunks moved. Below both, the hit's read floor: the
+   bytes its prefill must read (``hit_read_floor``) over the copy bandwidth measured in
+   the same run, and miss / floor, the most the ratio could be on the device.
 2. **Streams while a long prompt arrives**: ``--streams`` requests decode; once every
    stream has its first token (all running: their own prompts' prefill is not what is
    measured) and ``--arrive-after`` steps more, a ``--long``-token prompt arrives. For
@@ -59,8 +61,9 @@ from eagle_jax.cli import positive_int  # noqa: E402
 from eagle_jax.engine import Engine, EngineConfig  # noqa: E402
 from eagle_jax.engine.config import DEFAULT_PREFILL_BUCKETS  # noqa: E402
 
-from bench_engine import LLAMA_8B, SMALL, random_eagle3, random_target  # noqa: E402
-from benchtools import device_ms_per_op, print_profile  # noqa: E402
+from bench_engine import (LLAMA_8B, SMALL, kv_bytes_per_token, random_eagle3,  # noqa: E402
+                          random_target, weight_bytes)
+from benchtools import copy_bandwidth, device_ms_per_op, print_profile  # noqa: E402
 
 
 class _PrefillTimer:
@@ -174,6 +177,21 @@ def ttft_rows(engines: dict, args, vocab: int) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def hit_read_floor(target, draft, num_positions: int) -> int:
+    """Bytes a prefix-cache hit's prefill must read at least once: the target's and the
+    draft's weights (``weight_bytes``: the embedding's rows aside) and both models' KV of
+    its ``num_positions`` positions, the cached prefix and its own. Over the copy
+    bandwidth it is the hit's physical floor, and miss / floor the most its ratio can
+    reach on the device (docs/BENCHMARKS.md, issue 14: a fresh prompt of the hit's
+    length, the measured ceiling, is no faster than this floor either)."""
+    t, d = target.config, draft.config
+    itemsize = target.embed_tokens.weight[...].dtype.itemsize
+    kv = kv_bytes_per_token(dict(num_layers=t.num_layers, num_kv_heads=t.num_kv_heads,
+                                 head_dim=t.head_dim), itemsize)
+    kv += 2 * d.num_kv_heads * d.head_dim * itemsize  # the draft's one layer
+    return weight_bytes(target) + weight_bytes(draft) + num_positions * kv
 
 
 def hit_profile(engine: Engine, args, vocab: int, out_dir: str, requests: int = 4):
@@ -322,8 +340,10 @@ def main(argv=None):
     shape = SMALL if args.small else LLAMA_8B
     dtype = jnp.bfloat16
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
+    bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)  # (before the models fill it)
     target = random_target(shape, dtype)
     draft = random_eagle3(target, dtype, min(32000, shape["vocab_size"]))
+    floor_ms = 1e3 * hit_read_floor(target, draft, args.prefix + args.suffix) / bw
     vocab = shape["vocab_size"]
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else 0.25 if args.small else 24
     kv_bytes = int(kv_gib * (1 << 30))
@@ -346,7 +366,8 @@ def main(argv=None):
             target=target, draft=draft)
 
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=shape,
-                  num_steps=args.num_steps, acceptance=args.acceptance)
+                  num_steps=args.num_steps, acceptance=args.acceptance, copy_gbs=bw / 1e9,
+                  hit_read_floor_ms=floor_ms)
     parts = args.only.split(",")
     if args.profile:
         on = engine(budget=16384, precompile=False)
@@ -360,6 +381,8 @@ def main(argv=None):
         {"prefix caching": engine(budget=16384, precompile=False),
          "no prefix caching": engine(caching=False, budget=16384, precompile=False)},
         args, vocab)
+    for row in result["ttft"]:
+        row["ratio_read_floor"] = row["miss_ttft_ms"] / floor_ms
     result["streams"] = []
     slots = 1 << (args.streams).bit_length()  # the streams and the long prompt
     for budget in budgets if "streams" in parts else []:
@@ -376,12 +399,16 @@ def main(argv=None):
     print(f"\nTime to first token, requests of max_tokens={args.ttft_max_tokens}:")
     print("| engine | TTFT miss (ms) | TTFT second request (ms) | TTFT third request (ms) | "
           "cached tokens | miss / second | TTFT fresh prompt of the computed length (ms) | "
-          "miss / fresh (the ratio's ceiling) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "miss / fresh (the ratio's ceiling) | miss / the hit's read floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in result["ttft"]:
         print(f"| {r['engine']} | {r['miss_ttft_ms']:.1f} | {r['second_ttft_ms']:.1f} | "
               f"{r['third_ttft_ms']:.1f} | {r['cached_tokens']} | {r['ratio']:.1f}x | "
-              f"{r['fresh_ttft_ms']:.1f} | {r['ratio_ceiling']:.1f}x |")
+              f"{r['fresh_ttft_ms']:.1f} | {r['ratio_ceiling']:.1f}x | "
+              f"{r['ratio_read_floor']:.1f}x |")
+    print(f"The hit's read floor: {floor_ms:.2f} ms (the target's and the draft's weights a "
+          f"forward reads and the KV of {args.prefix + args.suffix} positions, at the copy "
+          f"bandwidth of {bw / 1e9:.0f} GB/s measured in this run)")
     for r in result["ttft"]:
         print(f"{r['engine']}, second request: " + ", ".join(
             f"{k} {v:.2f}" for k, v in r["hit_phases"].items()))
