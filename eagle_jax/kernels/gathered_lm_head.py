@@ -11,7 +11,8 @@ logits tile and walks H in BLOCK_K steps: a gathered [BLOCK_B, BLOCK_K] tile of
 hidden (row pointers from ``row_indices``) times a [BLOCK_V, BLOCK_K] weight tile,
 accumulated in float32 with a 2-D ``pl.dot``. For decode-sized B the weight (e.g.
 128256 x 4096 bf16 = 1 GiB) dominates the bytes: the kernel is bound by reading it
-once, which is also the floor of projecting all N rows (see docs/BENCHMARKS.md).
+once, which is also the floor of projecting all N rows (see docs/BENCHMARKS.md,
+"Kernels").
 
 Out-of-range row indices are clamped to [0, N-1] (never an out-of-bounds read); the
 row they select is then garbage by the caller's own contract, but memory stays safe.

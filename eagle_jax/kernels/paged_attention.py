@@ -240,7 +240,8 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   71-81 / 131-133 / 252 us against 102-112 / 189-190 / 359; a 32-token block at B = 64
   over 4096 keys 552 against 735 (B = 8: 104-106 against 146), a 16-token block 408-412
   against 442. In the engine a 2112-token prompt's first token
-  came 1.1-3.3 ms sooner (docs/BENCHMARKS.md, "Issue 14, 2026-12-05, fifth session").
+  came 1.1-3.3 ms sooner (docs/history/2026-12-05-issue-14-prefix-caching.md, "Issue 14,
+  2026-12-05, fifth session").
   A draft tree's verify (a block mask) keeps 8: its 32-token tile at 4 warps takes 255
   registers and 56-64 bytes of stack (sm_90 cubin, scripts/rocm_compile.py), untimed.
 
@@ -252,7 +253,8 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   --sweep) the S + 1 = 6 verify tile ran in 0.357 ms at 4 warps against 0.484 ms at 8
   (B = 64, 4096 keys each); 2 stages (1: 26% slower; 3: no gain: below 5 stages Triton
   gives the gathered K / V tile one shared buffer behind its page-table load, so no
-  gather overlaps the dots; docs/BENCHMARKS.md, 2026-12-04, fourth session). Carrying
+  gather overlaps the dots; docs/history/2026-12-04-issue-14-prefix-caching.md, fourth
+  session). Carrying
   the next tile's page ids through the loop gets two buffers at 3 stages, but the short
   chunk's tile then needs 144 KiB of shared memory and ran 17-26% slower (H200,
   2026-12-05).
@@ -282,7 +284,8 @@ def _block_sizes(batch, q_tokens, group, head_dim, kv_heads, capacity, *,
   tiles (8 splits of 1024), over 16384 keys 278-281 against 384-392, a prefix-cache
   hit's 80 live rows over 2112 keys 60-81 against 72-76 us, over 8272 keys 150-158
   against 168-179 us; in the engine the hit's time to first token fell 0.3-0.6 ms
-  (docs/BENCHMARKS.md, "Issue 14, 2026-12-03, second session"); a 64-token chunk over
+  (docs/history/2026-12-03-issue-14-prefix-caching.md, "Issue 14, 2026-12-03, second
+  session"); a 64-token chunk over
   4096 keys, 66-82 against 65-69 us, gains nothing. Fewer splits of that hit (80 live
   rows over 2112 keys) are slower in the engine (H200, 2026-12-05, traced: 4 splits 33 +
   4 us of combine, one split 43 us, one live split of MIN_SPLIT = 4096 66 us), though

@@ -139,7 +139,7 @@ def _block_sizes(vocab_size: int, gpu: _common.GpuTarget, block_v: int | None = 
   are most of what hides its latency. Both BLOCK and CHUNK shrink to the next power of
   two above a small vocab.
   3 pipeline stages in the vocabulary loop: measured best on an H200 (0.069 ms against
-  0.105 ms at 2 for 64 sampling rows, docs/BENCHMARKS.md).
+  0.105 ms at 2 for 64 sampling rows, docs/history/2026-11-30-issue-03-kernels.md).
   """
   block = block_v or min(2048, _common.next_power_of_2(vocab_size))
   max_chunk = 16384
