@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import read_json
+from eagle_jax.params import module_param_paths, put
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -199,15 +200,6 @@ def save_sharded(model_dir: str, tensors: Mapping[str, np.ndarray],
     return names
 
 
-def module_param_paths(module: nnx.Module) -> list[tuple[tuple, nnx.Param]]:
-    """(path, Param) for every parameter of the module, in a stable order."""
-    out = []
-    for path, var in nnx.iter_graph(module):
-        if isinstance(var, nnx.Param):
-            out.append((tuple(path), var))
-    return out
-
-
 def fused_row_order(rows: tuple[int, ...], shards: int = 1,
                     replicas: tuple[int, ...] | None = None) -> np.ndarray:
     """Row r of a fused parameter is row ``order[r]`` of its parts' checkpoint tensors
@@ -261,8 +253,6 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
     (``fused_row_order``). The expected shape is each part's checkpoint rows; a missing
     tensor or a shape mismatch raises a CheckpointError naming the file, tensor and shape.
     """
-    from eagle_jax import parallel  # (here: parallel imports this module)
-
     optional = set(optional)
     for path, var in module_param_paths(module):
         parts = _part_names(path, var, name_of)
@@ -277,7 +267,7 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
         if shardings is None:
             var.set_value(jnp.asarray(arr, dtype=dtype))
         else:
-            var.set_value(parallel.put(arr.astype(dtype), shardings[path]))
+            var.set_value(put(arr.astype(dtype), shardings[path]))
 
 
 def module_tensors(module: nnx.Module, name_of: Callable[[tuple], str],

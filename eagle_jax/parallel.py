@@ -22,8 +22,8 @@ N / K times, in the k / v projection rows and in the pool, so that the pool has 
 and device s holds kv head s // (N / K) of the checkpoint: the one its query heads use.
 The pool's per-device bytes are then those of one kv head.
 
-This module depends on jax, flax, the config and the checkpoint's parameter walk only:
-the models import it.
+This module depends on jax, flax, the config and ``params.py`` (the parameter walk and
+``put``, shared with the checkpoint loader) only: the models import it.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from eagle_jax.checkpoint import module_param_paths
 from eagle_jax.config import ModelConfig
+from eagle_jax.params import module_param_paths, put
 
 TP_AXIS = "tp"
 
@@ -186,23 +186,6 @@ def param_shardings(model: nnx.Module, mesh: Mesh) -> dict[tuple, NamedSharding]
     tp = tensor_parallel_size(mesh)
     return {path: NamedSharding(mesh, param_spec(path, var.shape, tp))
             for path, var in module_param_paths(model)}
-
-
-def put(tree, sharding: jax.sharding.Sharding):
-    """``jax.device_put(tree, sharding)``, also when the sharding spans other processes'
-    devices (``jax.distributed``), which ``device_put`` refuses for a host value: then
-    each process places its own shards of the value, which every process holds alike
-    (the same checkpoint, the same initial state)."""
-    if sharding.is_fully_addressable:
-        return jax.device_put(tree, sharding)
-
-    def put_one(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return jax.device_put(x, sharding)  # already global: a reshard
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    return jax.tree.map(put_one, tree)
 
 
 def shard_params(model: nnx.Module, mesh: Mesh) -> nnx.Module:

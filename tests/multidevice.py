@@ -200,10 +200,11 @@ def _run(model_dir: str, tp: int, seed: int, decode_steps: int) -> dict[str, np.
     from flax import nnx
 
     from eagle_jax import parallel
-    from eagle_jax.checkpoint import module_param_paths, module_tensors
+    from eagle_jax.checkpoint import module_tensors
     from eagle_jax.config import ModelConfig
     from eagle_jax.models.decoder import Decoder, checkpoint_name, load_decoder
     from eagle_jax.models.layers import TreeLayout
+    from eagle_jax.params import module_param_paths
 
     mesh = None if tp == 1 else parallel.make_mesh(tp)
     model = load_decoder(model_dir, mesh=mesh)

@@ -10,8 +10,9 @@ import pytest
 
 from eagle_jax.kernels import tree_sampler
 from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
+from eagle_jax.kernels.tree_common import PAD_TOKEN, TreeSamplerOutput
 from eagle_jax.kernels.tree_sampler import (
-    PAD_TOKEN, TreeSamplerOutput, tree_speculative_sample, tree_speculative_sample_reference)
+    tree_speculative_sample, tree_speculative_sample_reference)
 from eagle_jax.testutil.stats import chi2_pvalue
 from eagle_jax.testutil.trees import (
     check_flagged_rows, check_poisoned_rows, check_tree_output, random_tree_inputs)

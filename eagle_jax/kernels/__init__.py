@@ -7,7 +7,8 @@ import rmsnorm_concat``):
 * ``draft_proposal``: one draft token per row and the q it was drawn from;
 * ``spec_sampler``: the verify sampler (rejection sampling);
 * ``traversal_sampler``, ``tree_sampler``: a draft tree's verify samplers (Traversal
-  Verification; recursive rejection sampling, the target-only rule and greedy rows);
+  Verification; recursive rejection sampling, the target-only rule and greedy rows),
+  ``tree_common`` what they share, ``tree_verify`` their one entry point (``verify_tree``);
 * ``tree_mask``: a draft tree's ancestor mask;
 * ``gathered_lm_head``: the LM head over selected rows only;
 * ``norm_concat``: EAGLE-3's fused dual RMSNorm + concat;

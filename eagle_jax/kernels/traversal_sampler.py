@@ -7,7 +7,7 @@ is Sun et al.'s block verification, "Block Verification Accelerates Speculative
 Decoding", ICLR 2025). The engine's default for sampled tree rows
 (``EngineConfig.tree_verify = "traversal"``; recursive rejection, ``tree_sampler.py``,
 accepts fewer tokens); greedy rows take the target's argmax path as in
-``tree_sampler.py``, whose tree layout and guards this module shares:
+``tree_sampler.py``, whose tree layout and guards this module shares (``tree_common.py``):
 node 0 is the root, node i > 0 holds ``node_tokens[b, i]`` and parent ``parents[b, i]``
 in [0, i) (negative: absent), and the present children of a node, in increasing node
 index, were drawn in that order WITHOUT replacement from the parent's draft distribution
@@ -106,9 +106,9 @@ tree, p and q. So:
 
 On an H200 (32 nodes over 128256 columns, every node rejected) this takes about 180 us,
 against 1.9 ms for one program per row walking its tree, a pass per rejection on a
-single core (docs/BENCHMARKS.md). A pass reads each block of the parent's q row once for
-all of its children, whose scalars are read once before: ``max_children`` (static, the
-tree's K) slots unrolled. The node scalars (masses of the p and q rows, q'_k(x_k),
+single core (docs/history/2026-12-04-issue-15-traversal-verification.md). A pass reads
+each block of the parent's q row once for all of its children, whose scalars are read
+once before: ``max_children`` (static, the tree's K) slots unrolled. The node scalars (masses of the p and q rows, q'_k(x_k),
 p_c(x_k), which nodes are usable) are XLA in the wrapper, where they fuse with reading
 p and q once. The decisions are the reference's arithmetic except that vocabulary sums
 are blockwise, so they and the final draw may differ from the reference only by a
@@ -129,12 +129,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from eagle_jax.kernels import _common, tree_sampler
 from eagle_jax.kernels.filters import sample_from_probs
-from eagle_jax.kernels.tree_sampler import PAD_TOKEN, TreeSamplerOutput
+from eagle_jax.kernels.tree_common import (
+    PAD_TOKEN, TreeSamplerOutput, as_prob, check_tree_shapes, inverse)
 
 _NO_INDEX = _common.NO_INDEX
-# The tree samplers' shared helpers, one definition each (``tree_sampler``).
-_as_prob = tree_sampler._as_prob  # noqa: SLF001
-_inverse = tree_sampler._inverse  # noqa: SLF001
 
 
 class _Nodes(NamedTuple):
@@ -166,19 +164,19 @@ def _node_scalars(tok, par, q_row, q, q_ok, p, vocab_size: int, max_depth: int,
   valid = present & (tok >= 0) & (tok < vocab_size)
   safe_tok = jnp.where(valid, tok, 0)
   safe_par = jnp.where(present, par, 0)
-  p_mass = jnp.sum(jnp.where(in_vocab, _as_prob(p.astype(jnp.float32)), 0.0), axis=-1)
+  p_mass = jnp.sum(jnp.where(in_vocab, as_prob(p.astype(jnp.float32)), 0.0), axis=-1)
   q_rows = q.shape[1]
   q_in = (q_row >= 0) & (q_row < q_rows)
   e = jnp.where(q_in, q_row, 0)
-  q_tot = jnp.sum(jnp.where(in_vocab, _as_prob(q.astype(jnp.float32)), 0.0), axis=-1)
-  q_tok = _as_prob(q[rows, e, safe_tok].astype(jnp.float32))
+  q_tot = jnp.sum(jnp.where(in_vocab, as_prob(q.astype(jnp.float32)), 0.0), axis=-1)
+  q_tok = as_prob(q[rows, e, safe_tok].astype(jnp.float32))
   # Earlier present siblings s < k of node k, and the first occurrences of their tokens.
   sib = (present[:, :, None] & present[:, None, :] & (par[:, :, None] == par[:, None, :])
          & (nodes[None, :, None] > nodes[None, None, :]))
   same = valid[:, :, None] & valid[:, None, :] & (safe_tok[:, :, None] == safe_tok[:, None, :])
   dup = jnp.any(sib & same, axis=-1)  # [B, N+1]: k repeats an earlier sibling's token
   first = valid & ~dup
-  q_sib = _as_prob(q[rows[:, :, None], e[:, :, None], safe_tok[:, None, :]].astype(jnp.float32))
+  q_sib = as_prob(q[rows[:, :, None], e[:, :, None], safe_tok[:, None, :]].astype(jnp.float32))
   taken = jnp.sum(jnp.where(sib & first[:, None, :], q_sib, 0.0), axis=-1)
   q_norm = q_tot[rows, e] - taken
   q_prime = jnp.where(q_norm > 0.0, q_tok / jnp.where(q_norm > 0.0, q_norm, 1.0), 0.0)
@@ -196,7 +194,7 @@ def _node_scalars(tok, par, q_row, q, q_ok, p, vocab_size: int, max_depth: int,
   parent_usable = jnp.take_along_axis(usable, safe_par, axis=1)
   malformed = valid & ~well & ~beyond & parent_usable & (depth >= 1) & (depth <= max_depth)
   pm_par = jnp.take_along_axis(p_mass, safe_par, axis=1)
-  p_at = _as_prob(p[rows, safe_par, safe_tok].astype(jnp.float32))
+  p_at = as_prob(p[rows, safe_par, safe_tok].astype(jnp.float32))
   p_tok = jnp.where(pm_par > 0.0, p_at / jnp.where(pm_par > 0.0, pm_par, 1.0), 0.0)
   return _Nodes(present, valid, usable, malformed, depth, e.astype(jnp.int32), q_norm, q_tok,
                 p_tok, p_mass)
@@ -269,8 +267,8 @@ def _walk_row(n: _Nodes, tok, par, q, p, u, run, *, vocab_size: int, max_depth: 
   cols = jnp.arange(num_cols, dtype=jnp.int32)
   in_vocab = cols < vocab_size
   present, valid = n.present, n.valid
-  p = jnp.where(in_vocab, _as_prob(p.astype(jnp.float32)), 0.0)
-  q = jnp.where(in_vocab, _as_prob(q.astype(jnp.float32)), 0.0)
+  p = jnp.where(in_vocab, as_prob(p.astype(jnp.float32)), 0.0)
+  q = jnp.where(in_vocab, as_prob(q.astype(jnp.float32)), 0.0)
   q_prime = jnp.where(n.q_norm > 0.0, n.q_tok / jnp.where(n.q_norm > 0.0, n.q_norm, 1.0), 0.0)
 
   def residual(c, upto, deleted, a_rej, d_rej):
@@ -278,15 +276,15 @@ def _walk_row(n: _Nodes, tok, par, q, p, u, run, *, vocab_size: int, max_depth: 
     children's tokens below `upto` (excluded from the next q'). Usable siblings share
     one q row (``_node_scalars``): the first child's."""
     mass = n.p_mass[c]
-    r0 = p[c] * _inverse(mass)
+    r0 = p[c] * inverse(mass)
     first = jnp.min(jnp.where(present & (par == c), nodes, _NO_INDEX))
     q_c = q[n.q_row[jnp.where(first < _NO_INDEX, first, 0)]]
 
     def body(s, carry):
       r, excl = carry
       sib = present[s] & (par[s] == c) & (s < upto)
-      qv = jnp.where(excl, 0.0, q_c) * _inverse(n.q_norm[s])
-      step = jnp.maximum(a_rej[s] * r - qv, 0.0) * _inverse(d_rej[s])
+      qv = jnp.where(excl, 0.0, q_c) * inverse(n.q_norm[s])
+      step = jnp.maximum(a_rej[s] * r - qv, 0.0) * inverse(d_rej[s])
       r = jnp.where(sib & deleted[s], step, r)
       return r, excl | (sib & valid[s] & (cols == tok[s]))
 
@@ -314,7 +312,7 @@ def _walk_row(n: _Nodes, tok, par, q, p, u, run, *, vocab_size: int, max_depth: 
     c = jnp.where(reject, par[v], 0)
     a_c = alpha[c]
     r, excl = residual(c, v, deleted, a_rej, d_rej)
-    qv = jnp.where(excl, 0.0, q[n.q_row[v]]) * _inverse(n.q_norm[v])
+    qv = jnp.where(excl, 0.0, q[n.q_row[v]]) * inverse(n.q_norm[v])
     delta = jnp.sum(jnp.maximum(a_c * r - qv, 0.0))
     here = reject & (nodes == v)
     later = reject & n.usable & ~deleted & (par == c) & (nodes > v)
@@ -352,7 +350,7 @@ def _prepare(node_tokens, parents, draft_probs, q_row, target_probs, greedy, uni
   target_probs = jnp.asarray(target_probs)
   draft_probs = jnp.asarray(draft_probs)
   q_row = jnp.asarray(q_row, jnp.int32)
-  tree_sampler._check_shapes(  # noqa: SLF001 (the one shape check of tree samplers)
+  check_tree_shapes(
       node_tokens, parents, draft_probs, q_row, target_probs, greedy, uniforms, vocab_size,
       active, max_depth, draft_probs_ok)
   batch = node_tokens.shape[0]
@@ -462,7 +460,7 @@ def _slots(b, c, upto, alpha_c, kids_ref, usable_ref, valid_ref, tok_ref, qn_ref
     delta = jnp.sum(plgpu.load(partial_ref.at[b, i, blocks],
                                mask=rejected & (blocks < num_blocks), other=0.0))
     qn = qn_ref[b, i]
-    slots.append(_Slot(rejected, a, delta, _inverse(delta), jnp.where(qn > 0.0, qn, 1.0),
+    slots.append(_Slot(rejected, a, delta, inverse(delta), jnp.where(qn > 0.0, qn, 1.0),
                        tok_ref[b, i], take & (valid_ref[b, i] != 0)))
     a = jnp.where(rejected, _alpha_after(delta, a), a)
   return slots, a
@@ -514,10 +512,10 @@ def _pass_kernel(t_ref, round_ref, par_ref, tok_ref, qr_ref, usable_ref, valid_r
 
     cols = kb * block + jnp.arange(block, dtype=jnp.int32)
     live = cols < vocab_size
-    q_block = _as_prob(plgpu.load(q_ref.at[b, qr_ref[b, k], cols], mask=live, other=0.0))
-    pv = _as_prob(plgpu.load(p_ref.at[b, c, cols], mask=live, other=0.0))
-    r, excl = _residual_block(pv, _inverse(pmass_ref[b, c]), cols, slots, q_block)
-    qv = jnp.where(excl != 0, 0.0, q_block) * _inverse(qn_ref[b, k])
+    q_block = as_prob(plgpu.load(q_ref.at[b, qr_ref[b, k], cols], mask=live, other=0.0))
+    pv = as_prob(plgpu.load(p_ref.at[b, c, cols], mask=live, other=0.0))
+    r, excl = _residual_block(pv, inverse(pmass_ref[b, c]), cols, slots, q_block)
+    qv = jnp.where(excl != 0, 0.0, q_block) * inverse(qn_ref[b, k])
     partial_ref[b, k, kb] = jnp.sum(jnp.maximum(a * r - qv, 0.0))
 
 
@@ -539,7 +537,7 @@ def _draw_kernel(acc_ref, flags_ref, start_ref, cdf_ref, kids_ref, usable_ref, v
   first_kid = kids_ref[b, acc, 0]
   has_kids = first_kid >= 0
   e = qr_ref[b, jnp.where(has_kids, first_kid, 0)]
-  inv_mass = _inverse(pmass_ref[b, acc])
+  inv_mass = inverse(pmass_ref[b, acc])
   target = cdf_ref[b, 1]
 
   def more(carry):
@@ -550,9 +548,9 @@ def _draw_kernel(acc_ref, flags_ref, start_ref, cdf_ref, kids_ref, usable_ref, v
     kb, cdf = carry
     cols = kb * block + jnp.arange(block, dtype=jnp.int32)
     live = cols < vocab_size
-    pv = _as_prob(plgpu.load(p_ref.at[b, acc, cols], mask=live, other=0.0))
-    q_block = _as_prob(plgpu.load(q_ref.at[b, e, cols], mask=live & has_kids & ~fallback,
-                                  other=0.0))
+    pv = as_prob(plgpu.load(p_ref.at[b, acc, cols], mask=live, other=0.0))
+    q_block = as_prob(plgpu.load(q_ref.at[b, e, cols], mask=live & has_kids & ~fallback,
+                                 other=0.0))
     r, _ = _residual_block(pv, inv_mass, cols, slots, q_block)
     return kb + 1, _common.inverse_cdf_block(cdf, cols, jnp.where(fallback, pv, r), target)
 
@@ -671,11 +669,11 @@ def traversal_sample(
   p_acc = p[rows, acc, :width]
   p_acc = jnp.pad(p_acc, ((0, 0), (0, width - p_acc.shape[-1])))
   in_vocab = jnp.arange(width) < vocab_size
-  p_blocks = jnp.sum(jnp.where(in_vocab, _as_prob(p_acc), 0.0).reshape(
+  p_blocks = jnp.sum(jnp.where(in_vocab, as_prob(p_acc), 0.0).reshape(
       batch, num_blocks, block), axis=-1)
   r_blocks = jnp.where(has_kids[:, None],
-                       partial[rows, jnp.maximum(last_acc, 0)] * _inverse(delta_acc)[:, None],
-                       p_blocks * _inverse(mass_acc)[:, None])
+                       partial[rows, jnp.maximum(last_acc, 0)] * inverse(delta_acc)[:, None],
+                       p_blocks * inverse(mass_acc)[:, None])
   blocks_mass = jnp.where(fallback[:, None], p_blocks, r_blocks)
   total = jnp.sum(blocks_mass, axis=1)
   coin = u[:, n1]

@@ -118,7 +118,6 @@ without a Triton lowering (TPU) and for non-float inputs.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -129,8 +128,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from eagle_jax.kernels import _common
 from eagle_jax.kernels.filters import sample_from_probs
-
-PAD_TOKEN = -1
+from eagle_jax.kernels.tree_common import (
+    PAD_TOKEN, TreeSamplerOutput, as_prob, check_tree_shapes, inverse)
 
 _NO_INDEX = _common.NO_INDEX
 
@@ -139,59 +138,9 @@ _ACTIVE = 1
 _GREEDY = 2
 
 
-class TreeSamplerOutput(NamedTuple):
-  """Result of one tree verify step. Shapes: tokens, path [B, D+1]; the rest [B]."""
-
-  tokens: jax.Array  # int32: accepted path tokens (root excluded), the emitted token, PAD
-  path: jax.Array  # int32: node 0, then each accepted node, then PAD
-  num_tokens: jax.Array  # int32, accept_len + 1 (0 for inactive rows)
-  accept_len: jax.Array  # int32
-  num_malformed_q: jax.Array  # int32
-  num_fallback: jax.Array  # int32
-
-
 def _count(flag):
   """A scalar bool as int32 0 / 1 (a select: see ``spec_sampler._count``)."""
   return jnp.where(flag, jnp.int32(1), jnp.int32(0))
-
-
-def _inverse(x):
-  """1 / x for a positive normaliser, else 1 (a scalar). Vocabulary passes multiply by it:
-  a division per column made a single program's pass compute-bound. Kernels and
-  references both use it, so their arithmetic stays the same."""
-  return 1.0 / jnp.where(x > 0.0, x, 1.0)
-
-
-def _as_prob(x):
-  """An entry that is not a probability in [0, 1] (NaN, +-inf, < 0, > 1) counts as 0."""
-  return jnp.where((x >= 0.0) & (x <= 1.0), x, 0.0)
-
-
-def _check_shapes(node_tokens, parents, draft_probs, q_row, target_probs, greedy, uniforms,
-                  vocab_size, active, max_depth, draft_probs_ok):
-  batch, num_nodes = node_tokens.shape
-  if parents.shape != (batch, num_nodes):
-    raise ValueError(f"parents {parents.shape} vs node_tokens {node_tokens.shape}")
-  if target_probs.ndim != 3 or target_probs.shape[:2] != (batch, num_nodes):
-    raise ValueError(f"target_probs {target_probs.shape} vs node_tokens {node_tokens.shape}")
-  if not 0 < vocab_size <= target_probs.shape[-1]:
-    raise ValueError(f"vocab_size {vocab_size} vs V {target_probs.shape[-1]}")
-  if uniforms.shape != (batch, num_nodes + 1):
-    raise ValueError(f"uniforms {uniforms.shape}, expected {(batch, num_nodes + 1)}")
-  if greedy.shape != (batch,) or (active is not None and jnp.shape(active) != (batch,)):
-    raise ValueError("greedy and active must be [B]")
-  if max_depth < 0:
-    raise ValueError(f"max_depth {max_depth} < 0")
-  if draft_probs is not None:
-    if draft_probs.ndim != 3 or draft_probs.shape[0] != batch or (
-        draft_probs.shape[2] != target_probs.shape[2]):
-      raise ValueError(f"draft_probs {draft_probs.shape} vs target_probs {target_probs.shape}")
-    if q_row is None or q_row.shape != (batch, num_nodes):
-      raise ValueError(f"q_row must be [B, N+1] with draft_probs, got "
-                       f"{None if q_row is None else q_row.shape}")
-    if draft_probs_ok is not None and draft_probs_ok.shape != draft_probs.shape[:2]:
-      raise ValueError(f"draft_probs_ok {draft_probs_ok.shape} vs draft_probs "
-                       f"{draft_probs.shape}")
 
 
 def _verify_row(tok, par, q_row, q, q_ok, p, greedy, u, active, *, vocab_size, max_depth,
@@ -205,9 +154,9 @@ def _verify_row(tok, par, q_row, q, q_ok, p, greedy, u, active, *, vocab_size, m
   present = (nodes > 0) & (par >= 0) & (par < nodes)
   valid = present & (tok >= 0) & (tok < vocab_size)
   safe_tok = jnp.where(valid, tok, 0)
-  p = jnp.where(in_vocab, _as_prob(p.astype(jnp.float32)), 0.0)  # [N+1, V]
+  p = jnp.where(in_vocab, as_prob(p.astype(jnp.float32)), 0.0)  # [N+1, V]
   if q is not None:
-    q = jnp.where(in_vocab, _as_prob(q.astype(jnp.float32)), 0.0)  # [E, V]
+    q = jnp.where(in_vocab, as_prob(q.astype(jnp.float32)), 0.0)  # [E, V]
     row_ok = q_ok[jnp.clip(q_row, 0, q.shape[0] - 1)] & (q_row >= 0) & (q_row < q.shape[0])
   sampling = active & ~greedy
   steps = jnp.arange(max_depth + 1, dtype=jnp.int32)
@@ -225,7 +174,7 @@ def _verify_row(tok, par, q_row, q, q_ok, p, greedy, u, active, *, vocab_size, m
       if without_replacement:
         qi = jnp.where(excl, 0.0, qi)
       norm = jnp.sum(qi)
-      qp = jnp.where(norm > 0.0, qi * _inverse(norm), 0.0)
+      qp = jnp.where(norm > 0.0, qi * inverse(norm), 0.0)
       ok = row_ok[i]
     qx = jnp.sum(jnp.where(onehot_x, qp, 0.0))
     wx = jnp.sum(jnp.where(onehot_x, w, 0.0))
@@ -373,8 +322,8 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
   at_limit = depth >= max_depth
 
   def p_block(cols, live):
-    return _as_prob(plgpu.load(p_ref.at[b, c, cols], mask=live & (cols < vocab_size),
-                               other=0.0))
+    return as_prob(plgpu.load(p_ref.at[b, c, cols], mask=live & (cols < vocab_size),
+                              other=0.0))
 
   def excluded(cols, sib_tok, count):
     """cols [BLOCK] -> int32 1 where the column is one of the first `count` siblings'
@@ -396,9 +345,9 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
       tok_j = _pick(sib_tok, nodes, j)
       if has_q:
         s_j = _pick(sib_s, nodes, j)
-        qv = _as_prob(plgpu.load(q_ref.at[b, _pick(sib_qr, nodes, j), cols],
-                                 mask=live & sub & (cols < vocab_size), other=0.0))
-        qp = jnp.where(excl != 0, 0.0, qv) * _inverse(s_j)
+        qv = as_prob(plgpu.load(q_ref.at[b, _pick(sib_qr, nodes, j), cols],
+                                mask=live & sub & (cols < vocab_size), other=0.0))
+        qp = jnp.where(excl != 0, 0.0, qv) * inverse(s_j)
       else:
         qp = jnp.where(cols == tok_j, 1.0, 0.0)
       w = jnp.where(sub, jnp.maximum(w - _pick(sib_m, nodes, j) * qp, 0.0), w)
@@ -441,15 +390,15 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
 
       def s_pass(k, acc_s):
         cols = k * block + jnp.arange(block, dtype=jnp.int32)
-        qv = _as_prob(plgpu.load(q_ref.at[b, qr_i, cols], mask=cols < vocab_size,
-                                 other=0.0))
+        qv = as_prob(plgpu.load(q_ref.at[b, qr_i, cols], mask=cols < vocab_size,
+                                other=0.0))
         return acc_s + jnp.sum(jnp.where(excluded(cols, sib_tok, count) != 0, 0.0, qv))
 
       norm = lax.fori_loop(
           _I0, _trips(is_child & valid_i, num_blocks), s_pass, zero_f)
       excl_x = jnp.sum(jnp.where((nodes < count) & (sib_tok == x), 1, 0)) > 0
-      q_x = jnp.where(excl_x, 0.0, _as_prob(q_ref[b, qr_i, x]))
-      qx = jnp.where(norm > 0.0, q_x * _inverse(norm), 0.0)
+      q_x = jnp.where(excl_x, 0.0, as_prob(q_ref[b, qr_i, x]))
+      qx = jnp.where(norm > 0.0, q_x * inverse(norm), 0.0)
     else:
       qr_i = jnp.int32(0)
       ok_i = jnp.bool_(True)
@@ -463,14 +412,14 @@ def _tree_kernel(flags_ref, tok_ref, par_ref, qr_ref, u_ref, p_ref, *rest, num_n
       if has_q:
         s_j = _pick(sib_s, nodes, j)
         ex = jnp.sum(jnp.where((nodes < j) & (sib_tok == x), 1, 0)) > 0
-        qv = _as_prob(q_ref[b, _pick(sib_qr, nodes, j), x])
-        qp = jnp.where(ex, 0.0, qv) * _inverse(s_j)
+        qv = as_prob(q_ref[b, _pick(sib_qr, nodes, j), x])
+        qp = jnp.where(ex, 0.0, qv) * inverse(s_j)
       else:
         qp = jnp.where(x == tok_j, jnp.float32(1.0), jnp.float32(0.0))
       return jnp.where(sub, jnp.maximum(w - _pick(sib_m, nodes, j) * qp, 0.0), w)
 
     wx = lax.fori_loop(_I0, jnp.where(is_child, count, _I0), w_at,
-                       _as_prob(p_ref[b, c, x]))
+                       as_prob(p_ref[b, c, x]))
     q_is_prob = (qx > 0.0) & (qx <= 1.0)
     good = valid_i & ok_i & q_is_prob
     accept = is_child & good & (_pick(coins, nodes, i) * qx * mass < wx)
@@ -574,8 +523,8 @@ def _block_config(vocab_size: int, num_programs: int,
   to itself (batch 1-4 with 32 nodes on 132 SMs): that is the regime of the former
   one-program-per-row walk, where this width measured best on an H200 (a 32-node tree
   over 128256 columns: 0.70 ms at batch 1, against 1.1-1.6 ms with 1024-4096 columns at
-  4-8 warps; docs/BENCHMARKS.md). A larger grid shares the SMs: 4096 columns at 8 warps
-  (still 16 per thread), half the registers per program, so that two or more programs
+  4-8 warps; docs/history/2026-12-01-issue-15-tree-step-cost.md). A larger grid shares
+  the SMs: 4096 columns at 8 warps (still 16 per thread), half the registers per program, so that two or more programs
   per SM hide each other's load latency and the uneven work per node (the root testing
   ten children, a leaf two passes) spreads over more, smaller programs. Neither choice is
   measured for this per-node design yet (both compile for sm_90 without local memory:
@@ -641,8 +590,8 @@ def tree_speculative_sample_reference(
   if draft_probs is not None:
     draft_probs = jnp.asarray(draft_probs)
     q_row = jnp.asarray(q_row, jnp.int32)
-  _check_shapes(node_tokens, parents, draft_probs, q_row, target_probs, greedy, uniforms,
-                vocab_size, active, max_depth, draft_probs_ok)
+  check_tree_shapes(node_tokens, parents, draft_probs, q_row, target_probs, greedy,
+                    uniforms, vocab_size, active, max_depth, draft_probs_ok)
   active = jnp.ones((batch,), jnp.bool_) if active is None else jnp.asarray(active, jnp.bool_)
   if draft_probs is None:
     q_row = jnp.zeros((batch, num_nodes), jnp.int32)
@@ -712,9 +661,9 @@ def tree_speculative_sample(
   p = jnp.asarray(target_probs).astype(jnp.float32)
   batch, num_nodes = node_tokens.shape
   q = None if target_only or draft_probs is None else jnp.asarray(draft_probs)
-  _check_shapes(node_tokens, parents, q, None if q is None else jnp.asarray(q_row), p,
-                greedy, uniforms, vocab_size, active, max_depth,
-                None if q is None else draft_probs_ok)
+  check_tree_shapes(node_tokens, parents, q, None if q is None else jnp.asarray(q_row), p,
+                    greedy, uniforms, vocab_size, active, max_depth,
+                    None if q is None else draft_probs_ok)
   active = jnp.ones((batch,), jnp.bool_) if active is None else jnp.asarray(active, jnp.bool_)
   flags = (jnp.where(active, _ACTIVE, 0) | jnp.where(greedy, _GREEDY, 0)).astype(jnp.int32)
   if q is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eagle_jax.kernels.tree_sampler import PAD_TOKEN
+from eagle_jax.kernels.tree_common import PAD_TOKEN
 
 
 def random_tree_inputs(seed, batch, num_nodes, num_cols, vocab, max_depth):
