@@ -175,7 +175,12 @@ def sampling_probs(
   p_max = jnp.max(p, axis=-1, keepdims=True)
   p = jnp.where(p >= min_p[..., None] * p_max, p, 0.0)
 
-  p = p / jnp.sum(p, axis=-1, keepdims=True)
+  # Clamped to 1: XLA compiles a float32 division for NVIDIA GPUs to div.full.f32 (within
+  # 2 ulp, not correctly rounded), so a row the filters cut to one token gets x / x =
+  # 1 + 2**-23 there (exactly 1 on a CPU): no probability, and the draft's row check and
+  # the verify sampler rightly refuse it (issue 61). A correctly rounded division never
+  # exceeds 1 (each entry is at most the row's sum), so on a CPU the clamp changes nothing.
+  p = jnp.minimum(p / jnp.sum(p, axis=-1, keepdims=True), 1.0)
   return jnp.where(greedy[..., None], greedy_probs, p)
 
 
