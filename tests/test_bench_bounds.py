@@ -8,18 +8,14 @@ counted 7% too many at the Llama-3.1-8B shape (16.06 GB where it reads 15.01).""
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "scripts"))
-
-from bench_engine import SMALL, random_eagle3, random_target, weight_bytes  # noqa: E402
-from bench_prefix import hit_read_floor  # noqa: E402
-from eagle_jax.models.decoder import Decoder  # noqa: E402
+from eagle_jax.bench.engine import weight_bytes
+from eagle_jax.bench.prefix import hit_read_floor
+from eagle_jax.models.decoder import Decoder
+from eagle_jax.testutil.random_models import SMALL, random_eagle3, random_target
 
 
 def _layer_params(s: dict) -> int:

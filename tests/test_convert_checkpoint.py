@@ -3,7 +3,6 @@ the same tensors, read without running the file's code; what it refuses, by name
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -17,16 +16,12 @@ from eagle_jax.models.decoder import load_decoder
 from eagle_jax.models.draft_checkpoint import load_draft
 from eagle_jax.testutil.drafts import write_tiny_eagle3_draft
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def convert():
-    spec = importlib.util.spec_from_file_location(
-        "convert_checkpoint", os.path.join(ROOT, "scripts", "convert_checkpoint.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from eagle_jax import convert_checkpoint
+
+    return convert_checkpoint
 
 
 def _tensors(path):

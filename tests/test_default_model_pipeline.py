@@ -5,7 +5,7 @@ export that transformers loads with the same logits), and the pipeline utilities
 from __future__ import annotations
 
 import glob
-import importlib.util
+import importlib
 import json
 import os
 import shutil
@@ -20,7 +20,6 @@ from eagle_jax.train.pipeline import (
     plan_draft_steps,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB = os.path.dirname(os.__file__)
 TOY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
        "--intermediate", "64", "--seq-len", "64", "--batch-size", "4", "--lr", "1e-2",
@@ -28,10 +27,8 @@ TOY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
 
 
 def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module({"build_corpus": "eagle_jax.train.corpus_cli",
+                                    "train_target": "eagle_jax.train.target_cli"}[name])
 
 
 def _stdlib_sample(n: int = 30) -> list[str]:

@@ -387,13 +387,8 @@ def test_speculators_layout_refuses_eagle1(tmp_path, target_dir, target):
 def test_train_draft_saves_the_speculators_layout(tmp_path, target_dir, target, capsys):
     """``scripts/train_draft.py --format speculators``: a few steps, then the draft loads
     from the speculators layout, naming its target as the verifier."""
-    import importlib.util
+    from eagle_jax.train import draft_cli as script
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(
-        "train_draft_script", os.path.join(root, "scripts", "train_draft.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     corpus = tmp_path / "corpus.jsonl"
     rows = np.random.default_rng(0).integers(0, 256, (12, 17))
     corpus.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in rows))

@@ -1,8 +1,6 @@
 """Draft-tree attention mask: kernel against reference against a plain walk of the parent
 chains, chains, the mask's own semantics, input checks, export and the ROCm compile."""
 
-import importlib.util
-import os
 import sys
 
 import jax
@@ -13,8 +11,6 @@ import pytest
 from eagle_jax.kernels._common import TRITON_CUSTOM_CALL, compiled_kernels
 from eagle_jax.kernels.tree_mask import (
     MAX_KERNEL_NODES, TreeMask, build_tree_mask, build_tree_mask_reference)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 reference = jax.jit(build_tree_mask_reference)
 
@@ -233,10 +229,8 @@ def test_compiles_for_amd_without_spills(arch):
   """The Triton IR JAX emits for ROCm compiles for gfx950 / gfx942 with the triton
   package, without spills, at the engine's tree sizes (scripts/rocm_compile.py's tools,
   as tests/test_rocm_compile.py uses them for the other kernels)."""
-  spec = importlib.util.spec_from_file_location(
-      "rocm_compile", os.path.join(ROOT, "scripts", "rocm_compile.py"))
-  rocm_compile = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(rocm_compile)
+  from eagle_jax.bench import rocm_compile
+
   rows = []
   for n1 in (9, 33, 65):
     fn = lambda p: build_tree_mask(p, interpret=False, target=arch)

@@ -185,15 +185,10 @@ def test_bad_distributed_args_name_the_fix(args, match):
 
 def test_serve_refuses_partial_multihost_flags(tmp_path, capsys, monkeypatch):
     """scripts/serve.py exits 2 naming the missing flags, before loading anything."""
-    import importlib.util
-
-    from eagle_jax.testutil.server import REPO
+    from eagle_jax.server import serve
 
     for name in (multihost.ENV_NUM_PROCESSES, multihost.ENV_PROCESS_ID):
         monkeypatch.delenv(name, raising=False)
-    spec = importlib.util.spec_from_file_location("serve", f"{REPO}/scripts/serve.py")
-    serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve)
     assert serve.main(["--model", str(tmp_path), "--speculative-algorithm", "NONE",
                        "--coordinator-address", "localhost:1234"]) == 2
     assert "missing: --num-processes, --process-id" in capsys.readouterr().err

@@ -6,26 +6,20 @@ package (the ``rocm-check`` extra, part of ``test``) and reads the code objects'
 metadata. docs/ROCM.md must hold the table it prints.
 """
 
-import importlib.util
-import os
 import sys
 
 import pytest
 
 from eagle_jax.kernels import _common
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 if not sys.platform.startswith("linux"):  # triton publishes Linux wheels only
   pytest.skip("the triton package exists for Linux only", allow_module_level=True)
 
 
 def _load_tool():
-  spec = importlib.util.spec_from_file_location(
-      "rocm_compile", os.path.join(ROOT, "scripts", "rocm_compile.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  from eagle_jax.bench import rocm_compile
+
+  return rocm_compile
 
 
 rocm_compile = _load_tool()

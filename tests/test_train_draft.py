@@ -3,7 +3,6 @@ inference path, learning on a tiny target, and resuming."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -24,7 +23,6 @@ from eagle_jax.train import data as data_lib
 from eagle_jax.train import unroll
 
 V, SEQ = 256, 64
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def markov(rng, perm, n, t, follow=0.75):
@@ -265,11 +263,9 @@ def test_eagle3_training_raises_heldout_accuracy(setup):
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "train_draft_script", os.path.join(ROOT, "scripts", "train_draft.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from eagle_jax.train import draft_cli
+
+    return draft_cli
 
 
 def test_eagle1_training_via_script(setup, capsys):

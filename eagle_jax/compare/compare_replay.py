@@ -49,19 +49,13 @@ import time
 
 import numpy as np
 
-from eagle_jax.cli import positive_int
+from eagle_jax.argtypes import positive_int
+from eagle_jax.engine.config import EngineConfig
 from eagle_jax.eval import metrics
 from eagle_jax.eval.models import EXIT_NO_MODEL, ModelsMissing, detect_algorithm, resolve_pair
 
 MODES = ("xla", "eager", "torch-replay")
 DEFAULT_MIN_AGREEMENT = 0.9
-
-
-def _int_list(s: str) -> tuple[int, ...]:
-    vals = tuple(int(x) for x in s.split(",") if x.strip())
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return vals
 
 
 def _modes(s: str) -> list[str]:
@@ -75,14 +69,10 @@ def _modes(s: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     from eagle_jax.compare.engines import PERTURB_KINDS
 
-    p = argparse.ArgumentParser(prog="compare_replay.py", description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("models")
-    g.add_argument("--model", default=None,
-                   help="target HF directory (default: the embedded pair)")
-    g.add_argument("--draft-model", default=None)
     g.add_argument("--algorithm", default="auto", help="EAGLE, EAGLE3, NONE or auto")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default=None,
                    help="prompts from a dataset (evaluate.py formats); default: random ids")
@@ -94,15 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0,
                    help="temperature of the sampled (odd-index) requests")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--num-steps", type=positive_int, default=3)
-    g.add_argument("--draft-sample-method", default="probabilistic",
-                   choices=("greedy", "probabilistic"))
     g.add_argument("--batch-size", type=positive_int, default=4, help="engine slots")
-    g.add_argument("--max-model-len", type=positive_int, default=128)
-    g.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
-    g.add_argument("--batch-buckets", type=_int_list, default=None)
-    g.add_argument("--prefill-buckets", type=_int_list, default=None)
-    g.add_argument("--compilation-cache-dir", default=None)
+    # The engine's flags it varies (EngineConfig.add_cli_args); the seed is the engine's
+    # and request i's is seed + i.
+    EngineConfig.add_cli_args(
+        p, include=("model", "draft_model", "dtype", "num_steps", "draft_sample_method",
+                    "max_model_len", "seed", "batch_buckets", "prefill_buckets",
+                    "compilation_cache_dir"),
+        defaults=dict(dtype="float32", num_steps=3, max_model_len=128))
     g = p.add_argument_group("comparison")
     g.add_argument("--modes", type=_modes, default=list(MODES),
                    help="comma-separated subset of xla,eager,torch-replay (default all)")
@@ -313,7 +302,6 @@ def _workload(args, tokenizer, vocab):
 
 
 def compare(args) -> dict:
-    from eagle_jax.engine import EngineConfig
     from eagle_jax.sampling import SamplingParams
 
     need_draft = args.algorithm.upper() != "NONE"
@@ -340,20 +328,12 @@ def compare(args) -> dict:
     params = [SamplingParams(temperature=0.0 if g else args.temperature, top_p=args.top_p,
                              seed=args.seed + i, max_tokens=args.max_tokens, ignore_eos=True)
               for i, g in enumerate(greedy)]
-    kw = dict(model=target, draft_model=draft if algo != "NONE" else None,
-              speculative_algorithm=algo, num_steps=args.num_steps,
-              draft_sample_method=args.draft_sample_method, max_model_len=args.max_model_len,
-              max_num_seqs=args.batch_size, dtype=args.dtype, seed=args.seed,
-              # Every mode drafts num_steps in every step: the adaptive policy's choices
-              # follow each mode's own step times, so the modes' steps would differ.
-              speculative_policy="fixed")
-    if args.batch_buckets:
-        kw["batch_buckets"] = args.batch_buckets
-    if args.prefill_buckets:
-        kw["prefill_buckets"] = args.prefill_buckets
-    if args.compilation_cache_dir is not None:
-        kw["compilation_cache_dir"] = args.compilation_cache_dir
-    config = EngineConfig(**kw)
+    config = EngineConfig.from_cli_args(
+        args, model=target, draft_model=draft if algo != "NONE" else None,
+        speculative_algorithm=algo, max_num_seqs=args.batch_size,
+        # Every mode drafts num_steps in every step: the adaptive policy's choices
+        # follow each mode's own step times, so the modes' steps would differ.
+        speculative_policy="fixed")
     num_steps = args.num_steps if algo != "NONE" else 0
     if args.dtype == "float32":
         tolerance = (f"greedy requests token-for-token equal (float32); sampled requests: "

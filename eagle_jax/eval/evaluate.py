@@ -39,7 +39,9 @@ import time
 
 from tqdm.auto import tqdm
 
-from eagle_jax.cli import positive_int
+from eagle_jax.argtypes import positive_int
+from eagle_jax.engine.config import EngineConfig
+from eagle_jax.engine.protocol import EngineClient
 from eagle_jax.eval import metrics
 from eagle_jax.eval.dataset import DatasetError, describe_rule, load_dataset
 from eagle_jax.eval.models import EXIT_NO_MODEL, ModelsMissing, detect_algorithm, resolve_pair
@@ -89,16 +91,10 @@ def _verify_list(s: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="evaluate.py", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("models")
-    g.add_argument("--model", default=None,
-                   help="target HF directory (default: the embedded pair in "
-                        "eagle_jax/assets/default/{target,draft})")
-    g.add_argument("--draft-model", default=None, help="EAGLE-1 / EAGLE-3 draft directory")
     g.add_argument("--algorithm", default="auto",
                    help="EAGLE, EAGLE3, NONE, or auto (from the draft checkpoint; default)")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=None,
                    help="JSONL ({\"prompt\": text | ids, \"reference\": optional}), a .json "
@@ -117,9 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "dataset, else 32)")
     g.add_argument("--batch-size", type=positive_int, default=8,
                    help="prompts per LLM.generate call (= the engine's max_num_seqs)")
-    g.add_argument("--max-model-len", type=positive_int, default=512)
-    g.add_argument("--seed", type=int, default=0,
-                   help="engine seed; request i uses seed + i")
     g.add_argument("--num-steps", type=_int_list, default=[5],
                    help="draft steps S, comma-separated sweep (default 5)")
     g.add_argument("--temperature", type=_float_list, default=[0.0],
@@ -148,27 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "recursive_rejection (real q, token by token) and/or target_only "
                         "(SGLang's rule, the baseline), comma-separated sweep; greedy rows "
                         "take the target's argmax path in every case")
-    g.add_argument("--speculative-policy", default="fixed", choices=("fixed", "adaptive"),
-                   help="fixed (default: every step drafts S, the accept length of S is "
-                        "measured) or adaptive (the engine picks each step's length; the "
-                        "report adds the lengths chosen and the policy's goodput forecast); "
-                        "chains only: trees always draft their fixed depth")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
     g.add_argument("--skip-baseline", action="store_true",
                    help="do not run the target alone (no speed-up, no identity check)")
-    g = p.add_argument_group("engine")
-    g.add_argument("--batch-buckets", type=_int_list, default=None,
-                   help="compiled batch buckets (default: the engine's)")
-    g.add_argument("--prefill-buckets", type=_int_list, default=None,
-                   help="compiled prefill chunk lengths (default: the engine's)")
-    g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
-                   help="devices the target is split over (default 1)")
-    g.add_argument("--data-parallel-size", type=positive_int, default=1,
-                   help="engine replicas, each over --tensor-parallel-size devices; a "
-                        "batch's requests are spread over them (default 1)")
-    g.add_argument("--compilation-cache-dir", default=None,
-                   help="JAX persistent compilation cache ('' disables; default: the engine's)")
+    # The engine's flags (EngineConfig.add_cli_args), less those swept above or named
+    # otherwise here (--algorithm, --batch-size); the seed is the engine's and request
+    # i's is seed + i; --speculative-policy applies to chains only (trees always draft
+    # their fixed depth).
+    EngineConfig.add_cli_args(
+        p, exclude=("speculative_algorithm", "num_steps", "speculative_eagle_topk",
+                    "num_draft_tokens", "tree_verify", "draft_sample_method", "max_num_seqs"),
+        defaults=dict(dtype="float32", max_model_len=512, speculative_policy="fixed"))
     g = p.add_argument_group("output")
     g.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     g.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts into DIR")
@@ -270,14 +254,9 @@ def _settings(args) -> list[Setting]:
 def _engine_config(args, target, draft, algo, setting: Setting):
     """The EngineConfig of a setting (its checks run here: a wrong flag fails before any
     run)."""
-    from eagle_jax.engine import EngineConfig
-
     kw = dict(model=target, draft_model=draft if algo != "NONE" else None,
               speculative_algorithm=algo, num_steps=setting.num_steps,
-              max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
-              dtype=args.dtype, seed=args.seed,
-              tensor_parallel_size=args.tensor_parallel_size,
-              data_parallel_size=args.data_parallel_size)
+              max_num_seqs=args.batch_size)
     if setting.is_tree:
         kw.update(speculative_eagle_topk=setting.topk,
                   num_draft_tokens=setting.num_draft_tokens,
@@ -285,13 +264,7 @@ def _engine_config(args, target, draft, algo, setting: Setting):
     else:
         kw.update(draft_sample_method=setting.method,
                   speculative_policy=args.speculative_policy)
-    if args.batch_buckets:
-        kw["batch_buckets"] = tuple(args.batch_buckets)
-    if args.prefill_buckets:
-        kw["prefill_buckets"] = tuple(args.prefill_buckets)
-    if args.compilation_cache_dir is not None:
-        kw["compilation_cache_dir"] = args.compilation_cache_dir
-    return EngineConfig(**kw)
+    return EngineConfig.from_cli_args(args, **kw)
 
 
 def _make_llm(config, tokenizer):
@@ -435,7 +408,7 @@ def _summarise_spec(run: RunResult, examples, setting: Setting, config, temperat
     return out
 
 
-def _score_references(engine, examples, max_model_len: int) -> dict | None:
+def _score_references(engine: EngineClient, examples, max_model_len: int) -> dict | None:
     """Next-token accuracy and perplexity of the target on the reference continuations."""
     lps, hits, n_ex = [], 0, 0
     for e in examples:
