@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from eagle_jax.testutil.tokenizer import write_test_tokenizer
-from eagle_jax.testutil.server import REPO, ServerProcess, parse_sse
+from eagle_jax.testutil.server import ServerProcess, parse_sse
 
 VOCAB = 512
 EOS_ID = 2  # "<|eos|>" of the test tokenizer
@@ -845,16 +845,11 @@ def test_api_key_and_queue_full(models):
 
 def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch, capsys):
     """A checkout without the embedded pair: serve.py says so and exits 2."""
-    import importlib.util
-
     import eagle_jax.assets as assets
+    from eagle_jax.server import serve
 
     monkeypatch.setattr(assets, "DEFAULT_TARGET", str(tmp_path / "target"))
     monkeypatch.setattr(assets, "DEFAULT_DRAFT", str(tmp_path / "draft"))
-    spec = importlib.util.spec_from_file_location("serve", os.path.join(REPO, "scripts",
-                                                                         "serve.py"))
-    serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve)
     assert serve.main([]) == 2
     err = capsys.readouterr().err
     assert "embedded default model is not shipped" in err and "--model" in err
@@ -863,12 +858,7 @@ def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch, capsys):
 def test_precompile_logprobs_without_precompile_is_a_clear_error(monkeypatch, capsys):
     """``--precompile-logprobs`` reaches the engine's configuration, which refuses it
     beside ``--no-precompile``: serve.py prints why and exits 2 before loading anything."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("serve", os.path.join(REPO, "scripts",
-                                                                         "serve.py"))
-    serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve)
+    from eagle_jax.server import serve
 
     def make_engine(config):
         raise AssertionError(f"serve.py went on to load an engine for {config}")
@@ -886,10 +876,12 @@ class _FlakyEngine:
     """Just enough of the Engine contract; ``step`` raises while ``fail`` is set."""
 
     def __init__(self, tokenizer):
+        from eagle_jax.engine import EngineConfig
         from eagle_jax.engine.types import SpecDecodeStats
 
         self.tokenizer = tokenizer
         self.model_name, self.max_model_len, self.vocab_size = "stub", 64, tokenizer.vocab_size
+        self.config, self.num_slots = EngineConfig(model="stub", speculative_algorithm="NONE"), 4
         self.stats = SpecDecodeStats(accepted_per_pos=[0])
         self.requests, self.fail = {}, True
 

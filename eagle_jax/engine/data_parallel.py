@@ -2,8 +2,8 @@
 
 Replica i is an ``Engine`` over local devices [i N, (i + 1) N) for tensor-parallel size
 N (``parallel.device_groups``): a mesh of its own at N > 1, one committed device at
-N = 1. ``DataParallelEngine`` has the ``Engine`` interface the server drives
-(``server/async_engine.py``): a request goes to the replica with the fewest unfinished
+N = 1. ``DataParallelEngine`` is an ``EngineClient`` (``engine/protocol.py``), the
+interface the server drives: a request goes to the replica with the fewest unfinished
 (running + waiting) requests, ties to the lowest index, and stays there (its id
 remembers the replica, so an abort reaches it); ``step()`` steps every replica with
 work.
@@ -25,7 +25,9 @@ import jax
 from eagle_jax import parallel
 from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.engine import Engine
-from eagle_jax.engine.types import RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent
+from eagle_jax.engine.protocol import EngineFront
+from eagle_jax.engine.types import (
+    RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
 from eagle_jax.sampling import SamplingParams
 
 
@@ -57,25 +59,32 @@ def least_loaded(loads: list[int]) -> int:
     return min(range(len(loads)), key=lambda i: (loads[i], i))
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineFront):
     """Replicas of one ``Engine`` config, driven as one engine (module docstring). Not
-    thread-safe: drive it from one thread, as an ``Engine``."""
+    thread-safe: drive it from one thread, as an ``Engine``. The model's attributes are
+    the first replica's; ``config``, ``num_slots`` and the stats are the replicas'."""
 
     def __init__(self, replicas: list[Engine]):
         if not replicas:
             raise ValueError("a data-parallel engine needs at least one replica")
         self.replicas = list(replicas)
-        first = self.replicas[0]
-        self.config = dataclasses.replace(first.config,
-                                          data_parallel_size=len(self.replicas))
-        self.tokenizer = first.tokenizer
-        self.vocab_size = first.vocab_size
-        self.num_steps = first.num_steps  # the longest draft (0: plain decoding)
-        self.model_name = first.model_name
-        self.max_model_len = first.max_model_len
-        # The server's slot count: every replica's (it sizes the waiting queue from it).
-        self.num_slots = sum(r.num_slots for r in self.replicas)
+        self._config = dataclasses.replace(self.primary.config,
+                                           data_parallel_size=len(self.replicas))
         self._owner: dict[str, int] = {}  # request id -> its replica's index
+
+    @property
+    def primary(self) -> Engine:
+        return self.replicas[0]
+
+    @property
+    def config(self) -> EngineConfig:
+        """The replicas' config, with ``data_parallel_size`` their number."""
+        return self._config
+
+    @property
+    def num_slots(self) -> int:
+        """Every replica's slots (the server sizes its waiting queue from them)."""
+        return sum(r.num_slots for r in self.replicas)
 
     # ---------------------------------------------------------------- requests
     def route(self) -> int:
@@ -128,7 +137,8 @@ class DataParallelEngine:
         for r in self.replicas:
             r.add_step_listener(listener)
 
-    def prompt_logprobs(self, prompt_token_ids: list[int], top_n: int = 0):
+    def prompt_logprobs(self, prompt_token_ids: list[int], top_n: int = 0
+                        ) -> list[TokenLogprob | None]:
         """``Engine.prompt_logprobs`` on the least-loaded replica."""
         return self.replicas[self.route()].prompt_logprobs(prompt_token_ids, top_n)
 

@@ -9,8 +9,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eagle_jax.engine.config import EngineConfig
-from eagle_jax.engine.data_parallel import DataParallelEngine, make_engine
-from eagle_jax.engine.engine import Engine
+from eagle_jax.engine.data_parallel import make_engine
+from eagle_jax.engine.protocol import EngineClient
 from eagle_jax.engine.types import CompletionOutput
 from eagle_jax.sampling import SamplingParams
 
@@ -22,11 +22,11 @@ class LLM:
 
     ``LLM(model=..., draft_model=..., speculative_algorithm="EAGLE3", ...)`` takes the
     fields of EngineConfig as keyword arguments (``data_parallel_size`` > 1: replicas,
-    ``make_engine``).
+    ``make_engine``); ``engine``: an engine built by the caller instead.
     """
 
     def __init__(self, config: EngineConfig | None = None, *,
-                 engine: Engine | DataParallelEngine | None = None, **kwargs):
+                 engine: EngineClient | None = None, **kwargs):
         if engine is None:
             engine = make_engine(config if config is not None else EngineConfig(**kwargs))
         self.engine = engine

@@ -10,17 +10,18 @@ into the same program on every process, with the collectives between them.
 
 Such a program runs only when every process runs it, in the same order: SPMD is
 multi-controller. So every process builds the same ``Engine`` and drives it identically
-(lockstep). Process 0, the leader, serves: ``LockstepEngine`` has the ``Engine``
-interface the server drives, and before each ``step()`` (or ``prompt_logprobs``) it
-broadcasts a ``Command``: the requests added and aborted since the last one, and the
-host inputs that differ between processes, which are the draft policy's timings (the
-start-up table, and each step time the leader measured; ``LockstepPolicy``). The other
-processes run ``follow``: receive a command, apply it, step, drop the outputs, until
-the leader's stop. Everything else the engine decides from its inputs and from the
-step's outputs, which are replicated (every process reads the same tokens), so the
-engines stay equal. The transport is jax's own: ``multihost_utils.broadcast_one_to_all``
-(a collective over every device), first the command's length, then its pickled bytes
-padded to a power of two (so that a few shapes compile).
+(lockstep). Process 0, the leader, serves: ``LockstepEngine`` is an ``EngineClient``
+(``engine/protocol.py``), the interface the server drives, and before each ``step()``
+(or ``prompt_logprobs``) it broadcasts a ``Command``: the requests added and aborted
+since the last one, and the host inputs that differ between processes, which are the
+draft policy's timings (the start-up table, and each step time the leader measured;
+``LockstepPolicy``). The other processes run ``follow``: receive a command, apply it,
+step, drop the outputs, until the leader's stop. Everything else the engine decides
+from its inputs and from the step's outputs, which are replicated (every process reads
+the same tokens), so the engines stay equal. The transport is jax's own:
+``multihost_utils.broadcast_one_to_all`` (a collective over every device), first the
+command's length, then its pickled bytes padded to a power of two (so that a few shapes
+compile).
 
 While the server is idle the followers wait inside that broadcast. An idle leader
 sends an empty command every ``HEARTBEAT_SECONDS`` so that no collective waits for
@@ -35,13 +36,14 @@ import os
 import pickle
 import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import numpy as np
 
 from eagle_jax.engine.engine import Engine
-from eagle_jax.engine.types import RequestOutput, SchedulerStats, SpecDecodeStats
+from eagle_jax.engine.protocol import EngineFront
+from eagle_jax.engine.types import RequestOutput, SchedulerStats, StepEvent, TokenLogprob
 from eagle_jax.sampling import SamplingParams
 
 logger = logging.getLogger("eagle_jax.engine.multihost")
@@ -273,10 +275,10 @@ def follow(engine: Engine) -> int:
 
 
 # -------------------------------------------------------------------- leader
-class LockstepEngine:
+class LockstepEngine(EngineFront):
     """The leader's engine: an ``Engine`` whose every step the followers repeat (module
-    docstring). It has the interface the server drives. Thread-safe only as far as the
-    heartbeat needs: drive it from one thread, as an ``Engine``.
+    docstring). Its model attributes and stats are the engine's. Thread-safe only as far
+    as the heartbeat needs: drive it from one thread, as an ``Engine``.
 
     ``heartbeat_seconds``: an idle leader sends an empty command this often (None: never;
     tests that step without pauses).
@@ -290,12 +292,6 @@ class LockstepEngine:
         self.engine = engine
         self.policy = LockstepPolicy(engine.draft_policy, leader=True)
         engine.draft_policy = self.policy
-        self.config = engine.config
-        self.tokenizer = engine.tokenizer
-        self.vocab_size = engine.vocab_size
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
-        self.num_slots = engine.num_slots
         self._ops: list[tuple] = []
         # One command at a time, each with the engine work it precedes: the followers
         # must see the collectives in the leader's order.
@@ -308,6 +304,10 @@ class LockstepEngine:
             self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_seconds,),
                                                name="lockstep-heartbeat", daemon=True)
             self._heartbeat.start()
+
+    @property
+    def primary(self) -> Engine:
+        return self.engine
 
     def _send(self, command: Command) -> None:
         broadcast(command)
@@ -352,11 +352,7 @@ class LockstepEngine:
     def scheduler_stats(self) -> SchedulerStats:
         return self.engine.scheduler_stats()
 
-    @property
-    def stats(self) -> SpecDecodeStats:
-        return self.engine.stats
-
-    def add_step_listener(self, listener) -> None:
+    def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
         """``Engine.add_step_listener`` (the leader's steps)."""
         self.engine.add_step_listener(listener)
 
@@ -367,7 +363,8 @@ class LockstepEngine:
             self._send_ops(step=True)
             return self.engine.step()
 
-    def prompt_logprobs(self, prompt_token_ids: list[int], top_n: int = 0):
+    def prompt_logprobs(self, prompt_token_ids: list[int], top_n: int = 0
+                        ) -> list[TokenLogprob | None]:
         """``Engine.prompt_logprobs``, which every process computes with the leader."""
         ids = [int(t) for t in prompt_token_ids]
         with self._lock:

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from eagle_jax.engine.protocol import EngineClient
 from eagle_jax.engine.types import StepEvent
 
 
@@ -40,7 +41,7 @@ class StepRecord:
 class StepRecorder:
     """Records every request-step of ``engine`` (see the module docstring)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineClient):
         self.vocab_size = engine.vocab_size
         self.speculative = engine.num_steps > 0
         self.step_records: list[StepRecord] = []

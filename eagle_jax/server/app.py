@@ -22,12 +22,12 @@ import contextlib
 import hmac
 import json
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.protocol import EngineClient
 from .async_engine import AsyncEngine
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -103,13 +103,13 @@ class _APIKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
-def create_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_queue_len: int = 1024, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               log_interval: float = 10.0, model_path: str | None = None) -> FastAPI:
-    """Builds the FastAPI app around an ``Engine``; the engine thread runs while it lives."""
+def create_app(engine: EngineClient, *, served_model_name: str | None = None,
+               api_key: str | None = None, max_queue_len: int = 1024,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_interval: float = 10.0,
+               model_path: str | None = None) -> FastAPI:
+    """Builds the FastAPI app around an engine; the engine thread runs while it lives."""
     model = ServedModel(served_model_name or engine.model_name,
-                        model_path or getattr(getattr(engine, "config", None), "model", None),
-                        engine.max_model_len)
+                        model_path or engine.config.model, engine.max_model_len)
     metrics = ServerMetrics(model.name)
     async_engine = AsyncEngine(engine, metrics, log_interval=log_interval,
                                max_queue_len=max_queue_len)

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
+from ..engine.protocol import EngineClient
 from ..engine.types import RequestOutput, SpecDecodeStats, TokenLogprob
 from ..sampling import SamplingParams
 from .metrics import ServerMetrics
@@ -101,7 +102,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         metrics: ServerMetrics | None = None,
         *,
         log_interval: float = 10.0,
@@ -112,8 +113,7 @@ class AsyncEngine:
         self.log_interval = float(log_interval)
         self.max_queue_len = int(max_queue_len)
         # Slots: the engine may hold fewer than config.max_num_seqs (KV memory budget).
-        self.max_num_seqs = int(getattr(engine, "num_slots", None) or getattr(
-            getattr(engine, "config", None), "max_num_seqs", 0) or 0)
+        self.max_num_seqs = engine.num_slots
         self._cond = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._stop = False
@@ -398,29 +398,27 @@ class AsyncEngine:
         elapsed = now - self._log_t0
         if self.log_interval <= 0 or elapsed < self.log_interval:
             return
-        stats = getattr(self.engine, "stats", None)
+        stats = self.engine.stats
         prev = self._log_stats or SpecDecodeStats()
         policy = ""
-        if stats is not None:
-            def since(name):
-                now_, then = getattr(stats, name, 0), getattr(prev, name, 0)
-                if isinstance(now_, list):
-                    return [a - (then[i] if i < len(then) else 0) for i, a in enumerate(now_)]
-                return now_ - then
 
-            drafts, accepted = since("num_drafts"), since("num_accepted_tokens")
-            mean_len = 1.0 + accepted / drafts if drafts else 0.0
-            per_pos_s = ", ".join(f"{a / d:.3f}" if d else "0" for a, d in
-                                  zip(since("accepted_per_pos"), since("drafted_per_pos")))
-            if since("forecast_seconds") > 0:
-                lengths = " ".join(f"{s}:{n}" for s, n in
-                                   enumerate(since("draft_length_steps")) if n)
-                policy = (f", steps per draft length: {lengths}, goodput forecast: "
-                          f"{since('forecast_tokens') / since('forecast_seconds'):.1f} "
-                          "tokens/s")
-            self._log_stats = copy.deepcopy(stats)
-        else:
-            mean_len, per_pos_s = 0.0, ""
+        def since(name):
+            now_, then = getattr(stats, name), getattr(prev, name)
+            if isinstance(now_, list):
+                return [a - (then[i] if i < len(then) else 0) for i, a in enumerate(now_)]
+            return now_ - then
+
+        drafts, accepted = since("num_drafts"), since("num_accepted_tokens")
+        mean_len = 1.0 + accepted / drafts if drafts else 0.0
+        per_pos_s = ", ".join(f"{a / d:.3f}" if d else "0" for a, d in
+                              zip(since("accepted_per_pos"), since("drafted_per_pos")))
+        if since("forecast_seconds") > 0:
+            lengths = " ".join(f"{s}:{n}" for s, n in
+                               enumerate(since("draft_length_steps")) if n)
+            policy = (f", steps per draft length: {lengths}, goodput forecast: "
+                      f"{since('forecast_tokens') / since('forecast_seconds'):.1f} "
+                      "tokens/s")
+        self._log_stats = copy.deepcopy(stats)
         logger.info(
             "running: %d, waiting: %d, generation throughput: %.1f tokens/s, "
             "mean accept length: %.3f, per-position acceptance: [%s]%s",

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine.protocol import EngineClient
 from .async_engine import (
     AsyncEngine,
     Choice,
@@ -39,7 +40,7 @@ from .serving_models import ServedModel
 class OpenAIServing:
     """The engine, its tokenizer and the served model, as every handler sees them."""
 
-    def __init__(self, engine: Any, async_engine: AsyncEngine, model: ServedModel):
+    def __init__(self, engine: EngineClient, async_engine: AsyncEngine, model: ServedModel):
         self.engine = engine
         self.async_engine = async_engine
         self.model = model
