@@ -149,6 +149,14 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ loading
     @classmethod
+    def from_dir_if_present(cls, path: str | os.PathLike) -> "Tokenizer | None":
+        """The tokenizer of a checkpoint directory, None where it has no tokenizer.json
+        (a model served on token ids alone)."""
+        if not os.path.exists(os.path.join(path, "tokenizer.json")):
+            return None
+        return cls.from_dir(path)
+
+    @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
         """Loads the tokenizer of a Hugging Face checkpoint directory.
 

@@ -13,7 +13,7 @@ import pytest
 from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength, expected_tokens
-from eagle_jax.engine.step import MAX_DRAFT_LAG
+from eagle_jax.engine.state import MAX_DRAFT_LAG
 from eagle_jax.models.layers import KVCache
 
 from .test_engine import BASE, _prompts, _run
@@ -28,8 +28,7 @@ def _policy(seconds_by_length, acceptance=None, **kw):
     policy = AdaptiveDraftLength(LENGTHS, {(1, s): t for s, t in zip(LENGTHS, seconds_by_length)},
                                  **kw)
     if acceptance is not None:
-        policy._trials[:] = 1e6
-        policy._accepted[:] = np.asarray(acceptance) * 1e6
+        policy.set_acceptance(acceptance, trials=1e6)
     return policy
 
 
@@ -91,8 +90,7 @@ def test_a_shorter_choice_probes_the_next_length():
     assert choices == [0, 0, 0, 1, 0, 0, 0, 1]
     # The draft recovers: a few observed steps at length 1 (all accepted) move the
     # choice up.
-    policy._trials[:] = 4.0
-    policy._accepted[:] = 0.8
+    policy.set_acceptance([0.2] * 3, trials=4.0)
     for _ in range(20):
         policy.observe(1, np.ones(64, np.int64))
     assert policy.choose(1) >= 1
@@ -242,15 +240,13 @@ def test_a_cycle_that_ran_the_drafts_catch_up_is_not_timed(monkeypatch, referenc
         engine.step()  # (the last step in flight)
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config,
                                                               async_scheduling=False))
-    catch_up = engine._catch_up_draft
+    catch_up = engine.runner.catch_up
 
     def slow_catch_up(*args):
-        ran = catch_up(*args)
-        if ran:
-            time.sleep(catch_up_seconds)
-        return ran
+        catch_up(*args)
+        time.sleep(catch_up_seconds)
 
-    monkeypatch.setattr(engine, "_catch_up_draft", slow_catch_up)
+    monkeypatch.setattr(engine.runner, "catch_up", slow_catch_up)
     before = engine.stats.num_draft_catch_ups
     engine.draft_policy = policy = ScriptedLengths((0,) * 8 + (1, 3), seed=7)
     assert _run(engine, schedule) == want
@@ -340,7 +336,7 @@ def test_synthetic_accept_length_per_draft_length_is_the_chain_sum(synthetic):
     engine.add_step_listener(record)
     params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
     _run(engine, [(0, f"s{i}", p, params) for i, p in enumerate(_prompts(12, seed=6, hi=20))])
-    engine._step_listeners.remove(record)
+    engine.remove_step_listener(record)
     for s, committed in per_length.items():
         committed = np.asarray(committed, np.float64)
         want = sum(a ** i for i in range(s + 1))

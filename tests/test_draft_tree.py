@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.engine.draft_tree import _children, build_draft_tree, frontier_sizes, level_widths
+from eagle_jax.engine.draft_tree import build_draft_tree, draw_children, frontier_sizes, level_widths
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.kernels.traversal_sampler import traversal_sample
 from eagle_jax.kernels.tree_sampler import tree_speculative_sample_reference
@@ -140,7 +140,8 @@ def test_children_are_drawn_without_replacement_in_order():
     rows = SamplingRows(*(jnp.full((n,), x, dt) for x, dt in (
         (1.0, jnp.float32), (TOP_K_ALL, jnp.int32), (1.0, jnp.float32), (0.0, jnp.float32))))
     keys = jax.random.split(jax.random.key_data(jax.random.key(12)), n)
-    draw = jax.jit(lambda lg, r, keys: _children(lg, r, jnp.ones(n, bool), keys, None, None, k))
+    draw = jax.jit(lambda lg, r, keys: draw_children(lg, r, jnp.ones(n, bool), keys, None,
+                                                     None, k))
     tokens, step_lp, q_left, q = draw(jnp.broadcast_to(logits, (n, 1, V)), rows, keys)
     tokens, q_left = np.asarray(tokens[:, 0]), np.asarray(q_left[:, 0])
     qv = np.asarray(q[0, 0], np.float64)

@@ -14,7 +14,7 @@ import pytest
 
 from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.engine.engine import jit_compile
+from eagle_jax.engine.executables import jit_compile
 
 # One batch bucket and one prefill chunk keep compiles few; engines are shared per module.
 BASE = dict(dtype="float32", max_model_len=96, max_num_seqs=4, batch_buckets=(4,),
@@ -325,7 +325,7 @@ def test_host_inputs_travel_in_one_buffer():
     zeros, bools), and a field of another shape or dtype, or of an unsupported dtype, is
     an error naming it, never a shifted read."""
     from eagle_jax.engine.host_inputs import HostLayout
-    from eagle_jax.engine.step import SlotUpdates
+    from eagle_jax.engine.state import SlotUpdates
     from eagle_jax.sampling import SamplingRows
 
     rng = np.random.default_rng(17)
@@ -464,8 +464,8 @@ def test_prefill_ranks_the_vocabulary_only_when_asked_for_logprobs(engines):
     eng = engines("eagle3")
 
     def traced(with_logprobs):
-        return str(jax.make_jaxpr(eng.prefill_function(with_logprobs))(
-            *eng.prefill_inputs(2, 16)))
+        return str(jax.make_jaxpr(eng.runner.prefill_function(with_logprobs))(
+            *eng.runner.prefill_inputs(2, 16)))
 
     assert "top_k" in traced(True)
     without = traced(False)

@@ -81,7 +81,7 @@ def test_length_zero_step_and_draft_catch_up_export(adaptive_engine, platform, t
     # The target's paged attention; no draft kernel.
     assert "paged_attention" in text
     assert "rmsnorm_concat" not in text and "draft_proposal" not in text
-    text = _export(engine.catch_up_function(4), (engine.step_inputs()[1], engine.state), (1,),
+    text = _export(engine.runner.catch_up_function(4), (engine.step_inputs()[1], engine.state), (1,),
                    platform, target).mlir_module()
     # Fused norm-concat, paged attention and the gathered LM head of the draft's extend.
     assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") >= 3
@@ -93,7 +93,7 @@ def test_length_zero_step_and_draft_catch_up_export(adaptive_engine, platform, t
 def test_prefill_exports_with_triton_kernels(engine, platform, target):
     """The prefill of two 16-position chunks: the target's forward, the first tokens'
     sampling and the draft's extend."""
-    text = _export(engine.prefill_function(), engine.prefill_inputs(2, 16), (2,), platform,
+    text = _export(engine.runner.prefill_function(), engine.runner.prefill_inputs(2, 16), (2,), platform,
                    target).mlir_module()
     for name in ("paged_attention", "rmsnorm_concat", "gathered_lm_head"):
         assert name in text, name

@@ -5,19 +5,21 @@ One test per rule. Every import counts, including those inside functions and und
 
     config, checkpoint, tokenizer, bpe, sampling; kernels; models   (the model side)
     testutil                                                        (test helpers)
-    train, engine, server, eval, compare                            (the higher layers)
+    train, engine, server, eval, compare, bench, cli                (the higher layers)
 
-and the engine's private names stay inside ``eagle_jax/engine``.
+and the engine's private names stay inside ``eagle_jax/engine`` (tests and scripts too).
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import pathlib
 from typing import NamedTuple
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "eagle_jax"
-HIGHER_LAYERS = tuple(f"eagle_jax.{p}" for p in ("train", "engine", "server", "eval", "compare"))
+HIGHER_LAYERS = tuple(f"eagle_jax.{p}" for p in ("train", "engine", "server", "eval", "compare",
+                                                  "bench", "cli"))
 
 
 class Import(NamedTuple):
@@ -32,7 +34,8 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _trees(package: str = "eagle_jax"):
-    """(path, module name, ast) of every module of ``package``."""
+    """(path, module name, ast) of every module of ``package`` (a folder of the
+    repository: ``eagle_jax``, ``tests``, ``scripts``)."""
     root = PACKAGE.parent.joinpath(*package.split("."))
     for path in sorted(root.rglob("*.py")):
         yield path, _module_name(path), ast.parse(path.read_text(), str(path))
@@ -121,12 +124,13 @@ def _engine_private_names() -> set[str]:
 
 
 def test_nothing_outside_the_engine_reaches_a_private_engine_name():
-    """Tools watch or swap parts of the engine through its public seams (``compile_fn``,
-    ``add_step_listener``, ``step_function``), never through its private names: no
-    import of one, no attribute access to one on another object, no override of one."""
+    """Tools, tests and benchmarks watch or swap parts of the engine through its public
+    seams (``compile_fn``, ``add_step_listener``, ``step_function``, the parts' public
+    members), never through its private names: no import of one, no attribute access to
+    one on another object, no override of one."""
     private = _engine_private_names()
     found = []
-    for path, module, tree in _trees():
+    for path, module, tree in itertools.chain(_trees(), _trees("tests"), _trees("scripts")):
         if _within(module, ("eagle_jax.engine",)):
             continue
         rel = path.relative_to(PACKAGE.parent)
@@ -143,4 +147,15 @@ def test_nothing_outside_the_engine_reaches_a_private_engine_name():
                     for b in node.bases):
                 found += [f"{rel}:{f.lineno} overrides {f.name}" for f in node.body
                           if isinstance(f, ast.FunctionDef) and f.name in private]
+    assert found == []
+
+
+def test_checkpoint_and_parallel_do_not_import_each_other():
+    """The checkpoint loader and tensor parallelism share the parameter walk and ``put``
+    through ``eagle_jax/params.py``, a leaf: neither imports the other, not even lazily,
+    and the leaf imports neither."""
+    pair = ("eagle_jax.checkpoint", "eagle_jax.parallel")
+    files = {"eagle_jax/checkpoint.py", "eagle_jax/parallel.py", "eagle_jax/params.py"}
+    found = [f"{i.path}:{i.line} imports {i.name}" for i in _imports("eagle_jax")
+             if i.path in files and _within(i.name, pair)]
     assert found == []

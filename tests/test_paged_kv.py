@@ -348,7 +348,7 @@ def test_engine_sizes_its_pool_within_the_attention_kernels_limit(models, monkey
     """The engine passes the kernel's page limit (``max_pool_pages`` of each model's pool
     shape) to its pool plan. A real limit needs pools of 2**31 elements, so the limit is
     lowered here: a budget past it gets a pool of exactly the limit, logged."""
-    from eagle_jax.engine import engine as engine_module
+    from eagle_jax.engine import pool_sizing as engine_module
     from eagle_jax.kernels import paged_attention
 
     shapes = []
@@ -381,10 +381,12 @@ def test_kv_cache_memory_beyond_the_free_device_memory_is_an_error(models, monke
     kv_cache_memory whose pool would not fit what is free beside the weights raises at
     construction, naming what fits; one that fits builds; unset, the pool takes the
     default fraction of the free memory."""
+    from eagle_jax.engine import pool_sizing
+
     probe = _engine(models, "EAGLE3", precompile=False)
     need = _pool_bytes(probe, 96)
     free = {"bytes": need - 1}
-    monkeypatch.setattr(Engine, "_free_device_memory", lambda self: free["bytes"])
+    monkeypatch.setattr(pool_sizing, "free_device_memory", lambda devices: free["bytes"])
     with pytest.raises(ValueError, match=rf"kv_cache_memory={need} .* exceeds the .* GiB of "
                        r"device memory free beside the weights; pass at most ~\d+ MiB"):
         _engine(models, "EAGLE3", kv_cache_memory=need, precompile=False)
@@ -483,7 +485,7 @@ def _run(engine, requests):
 def _draft_rows(engine, request_id: str, num: int) -> np.ndarray:
     """The draft's keys and values [2, num, K, D] (its first layer) at positions 0 ..
     num - 1 of a request that holds a slot, read through the table its draft reads."""
-    slot = next(r.slot for r in engine._slots if r is not None and r.request_id == request_id)
+    slot = engine.slot_of(request_id)
     state = engine.state
     table = state.page_table if state.draft_page_table is None else state.draft_page_table
     pos = np.arange(num)
@@ -606,11 +608,11 @@ def test_a_boundary_hit_carried_by_decode_steps_keeps_the_drafts_rows(tree):
         while not tokens["running"]:
             for o in engine.step():
                 tokens[o.request_id].extend(o.new_token_ids)
-        prefills = engine._num_prefill_runs
+        prefills = engine.num_prefill_runs
         engine.add_request("parting", parting, greedy)
         tokens["parting"] = []
         rows = _step_until_done(engine, tokens, cached, "parting", len(parting))
-        assert engine._num_prefill_runs == prefills  # carried by the decode steps
+        assert engine.num_prefill_runs == prefills  # carried by the decode steps
         assert engine.scheduler_stats().kv_cache_usage == 0.0
         results[caching] = tokens, accepts, cached, rows
     (tokens, accepts, cached, rows), (ref_tokens, ref_accepts, _, ref_rows) = (
@@ -741,7 +743,7 @@ def test_prefill_chunks_ride_along_with_decoding(models, algo):
     width = BASE["num_steps"] + 1 if algo == "EAGLE3" else 1
     # The bucket's 4 decode rows of `width` plus 16 chunk positions.
     engine = _engine(models, algo, max_num_batched_tokens=4 * width + 16)
-    assert engine._step_lane_len(4) == 16
+    assert engine.buckets.step_lane_len(4) == 16
     engine.add_request("short", short, greedy)
     tokens = {"short": [], "long": []}
     for _ in range(2):  # its prefill returns its first token, the next call its first step

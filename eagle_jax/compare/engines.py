@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
-from eagle_jax.engine.engine import TRACE_LOCK, Engine, jit_compile
+from eagle_jax.engine.engine import Engine
+from eagle_jax.engine.executables import TRACE_LOCK, jit_compile
 from eagle_jax.eval.recording import StepRecorder
 
 PERTURB_KINDS = ("none", "weight-noise", "flip-token")

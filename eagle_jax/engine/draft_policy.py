@@ -127,6 +127,13 @@ class AdaptiveDraftLength:
         pooled = self._pooled[0] / self._pooled[1]
         return (self._accepted + self.prior_weight * pooled) / (self._trials + self.prior_weight)
 
+    def set_acceptance(self, acceptance, trials: float) -> None:
+        """Sets the estimate of a_1 .. a_S to ``acceptance`` as if observed over
+        ``trials`` request-steps at each position (a policy started from a known
+        acceptance: tests, benchmarks)."""
+        self._trials[:] = trials
+        self._accepted[:] = np.asarray(acceptance) * trials
+
     def goodput(self, bucket: int) -> dict[int, float]:
         """{length: expected committed tokens per request per second} at ``bucket``."""
         tokens = expected_tokens(self.acceptance, self.lengths)

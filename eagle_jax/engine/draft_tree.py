@@ -41,7 +41,8 @@ How candidates are drawn and chosen depends on how the row is verified
   with its q, so a path through a low-q draw is no worse a place to grow the tree, while
   a path through later siblings (whose earlier siblings took mass) is reached less often
   (on the default pair at T = 1, K = 4: accept length 3.45-3.48 against 3.32-3.33 with
-  the parent's cumulative log q in its place, docs/BENCHMARKS.md). They choose level
+  the parent's cumulative log q in its place,
+  docs/history/2026-12-01-issue-15-tree-drafting-acceptance.md). They choose level
   by level: level l keeps its top ``level_widths[l]`` candidates, every kept node's first child
   before any later sibling (the first child's inclusion depends only on its parent's),
   then by ``sel``; every kept node is expanded. So a sampled path that reaches a kept
@@ -49,8 +50,8 @@ How candidates are drawn and chosen depends on how the row is verified
   candidates whose scores were fixed by draws at earlier levels and earlier siblings, so
   every inclusion decision is made before the tokens it could peek at are drawn.
   ``tests/test_draft_tree.py`` checks the first two committed tokens against the target
-  (and that EAGLE-2's rerank of these rows fails the same test); docs/BENCHMARKS.md has
-  the accept lengths (greedy rows keep EAGLE-2's rule).
+  (and that EAGLE-2's rerank of these rows fails the same test); docs/BENCHMARKS.md,
+  "Tree drafting", has the accept lengths (greedy rows keep EAGLE-2's rule).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def scratch_positions(topk: int, num_steps: int, num_nodes: int) -> int:
     return sum(frontier_sizes(topk, num_steps, num_nodes))
 
 
-def _children(logits: Array, rows: SamplingRows, real_rows: Array, draw_keys: Array,
+def draw_children(logits: Array, rows: SamplingRows, real_rows: Array, draw_keys: Array,
               d2t: Array | None, vocab_size: int | None, topk: int):
     """K children of each of R expanded nodes.
 
@@ -137,7 +138,7 @@ def _children(logits: Array, rows: SamplingRows, real_rows: Array, draw_keys: Ar
     what recursive rejection sampling assumes of siblings. One pass over the vocabulary
     and one top-K instead of K inverse-CDF draws (a cumulative sum and a handful of
     reductions each): on the H200 the sequential draws were ~370 of a 4x6x32 tree step's
-    ~1200 kernels at T = 1 (docs/BENCHMARKS.md).
+    ~1200 kernels at T = 1 (docs/history/2026-12-01-issue-15-tree-step-cost.md, "Fifth run").
     """
     num_cols = logits.shape[-1]
     lead = logits.shape[:-1]
@@ -202,11 +203,33 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
     parent -1. ``_eagle2_rerank_sampled_rows`` (tests only) chooses real-q rows' nodes by
     EAGLE-2's rule too: the deliberately biased variant.
     """
+    real_rows = (rows.top_k > 1) & real_q  # [B]
+    levels, qs, cache = _grow_levels(
+        draft, logits, hidden, seq_len, active, rows, real_rows, draw_keys, cache, topk=topk,
+        num_steps=num_steps, num_nodes=num_nodes, vocab_size=vocab_size,
+        pad_position=pad_position)
+    # Real-q rows: the levels' kept sets; other rows: EAGLE-2's top N by path score.
+    tokens, parents, q_row = _choose_nodes(
+        levels, level_widths(topk, num_steps, num_nodes),
+        real_rows & (not _eagle2_rerank_sampled_rows), num_nodes)
+    tree_mask = build_tree_mask(parents)
+    draft_probs = draft_probs_ok = None
+    if real_q:
+        draft_probs, draft_probs_ok = _tree_draft_probs(qs, draft.d2t, real_rows,
+                                                        target_vocab_size)
+    return DraftTree(tokens, parents, tree_mask.depth, tree_mask.mask, q_row, draft_probs,
+                     draft_probs_ok, cache)
+
+
+def _grow_levels(draft, logits: Array, hidden: Array, seq_len: Array, active: Array,
+                 rows: SamplingRows, real_rows: Array, draw_keys: Array, cache: KVCache, *,
+                 topk: int, num_steps: int, num_nodes: int, vocab_size: int | None,
+                 pad_position: int) -> tuple[list[_Level], list[Array], KVCache]:
+    """The S levels of candidates, each level's frontier expanded by one draft forward
+    (``build_draft_tree``'s arguments). Returns the levels, q of every expanded node
+    ([B, R, Vd] per level: the root, then each frontier) and the cache."""
     K, S, N = topk, num_steps, num_nodes
     batch = logits.shape[0]
-    bidx = jnp.arange(batch)[:, None]
-    real_rows = (rows.top_k > 1) & real_q  # [B]
-    widths = level_widths(K, S, N)
     sizes = frontier_sizes(K, S, N)
 
     levels: list[_Level] = []
@@ -219,7 +242,7 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
     first_row = 0  # the expanded row (of draft_probs) of the level's first parent
     for level in range(1, S + 1):
         r = front_logits.shape[1]
-        tokens, step_lp, q_left, q = _children(
+        tokens, step_lp, q_left, q = draw_children(
             front_logits, rows, real_rows, jax.vmap(jax.random.fold_in, (0, None))(
                 draw_keys, level), draft.d2t, vocab_size, K)
         qs.append(q)
@@ -259,7 +282,18 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
         front_hidden, cache = draft(take(lv.tokens), parent_hidden, slots, cache,
                                     TreeLayout(rope, block_mask))
         front_logits = draft.logits(front_hidden)  # [B, F, Vd]
+    return levels, qs, cache
 
+
+def _choose_nodes(levels: list[_Level], widths: tuple[int, ...], level_rule: Array,
+                  num_nodes: int) -> tuple[Array, Array, Array]:
+    """The N nodes of each row's tree among the levels' candidates: a ``level_rule`` row
+    [B] takes the levels' kept sets (``widths``), another EAGLE-2's top N by path score.
+    Returns (tokens [B, N + 1] with the root first, parents [B, N + 1] (-1: the root, or
+    absent), the expanded node each was drawn from [B, N + 1]), int32."""
+    N = num_nodes
+    batch = levels[0].key.shape[0]
+    bidx = jnp.arange(batch)[:, None]
     # Every candidate, level-major; its parent as a global candidate index (-1: root).
     parent_idx, kept_real, offset, prev_frontier = [], [], 0, None
     for lv, width in zip(levels, widths):
@@ -277,8 +311,6 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
     parent_idx = jnp.concatenate(parent_idx, axis=1)
     kept_real = jnp.concatenate(kept_real, axis=1)
     valid = jnp.isfinite(cum) & jnp.isfinite(key)
-    # Real-q rows: the levels' kept sets; other rows: EAGLE-2's top N by path score.
-    level_rule = real_rows & (not _eagle2_rerank_sampled_rows)
     final_key = jnp.where(level_rule[:, None], jnp.where(kept_real, 0.0, _NEG), cum)
     final_key = jnp.where(valid, final_key, _NEG)
     _, chosen = jax.lax.top_k(final_key, N)
@@ -293,21 +325,21 @@ def build_draft_tree(draft, logits: Array, hidden: Array, seq_len: Array, active
     parents = jnp.concatenate([root - 1, jnp.where(present, parent_node, -1)], axis=1)
     tokens = jnp.concatenate([root, jnp.where(present, take(tok), 0)], axis=1)
     q_row = jnp.concatenate([root, take(qrow)], axis=1)
-    tree_mask = build_tree_mask(parents.astype(jnp.int32))
+    return tokens.astype(jnp.int32), parents.astype(jnp.int32), q_row.astype(jnp.int32)
 
-    draft_probs = draft_probs_ok = None
-    if real_q:
-        q = jnp.concatenate(qs, axis=1)  # [B, E, Vd]
-        draft_probs_ok = probs_row_ok(q)
-        if draft.d2t is None:
-            draft_probs = q
-        else:  # into the target's vocabulary (a greedy batch skips the scatter)
-            ids = jnp.arange(q.shape[-1], dtype=jnp.int32) + draft.d2t
-            width = q.shape[:2] + (target_vocab_size,)
-            draft_probs = jax.lax.cond(
-                jnp.any(real_rows),
-                lambda q: jnp.zeros(width, jnp.float32).at[:, :, ids].set(q),
-                lambda q: jnp.zeros(width, jnp.float32), q)
-    return DraftTree(tokens.astype(jnp.int32), parents.astype(jnp.int32), tree_mask.depth,
-                     tree_mask.mask, q_row.astype(jnp.int32), draft_probs, draft_probs_ok,
-                     cache)
+
+def _tree_draft_probs(qs: list[Array], d2t: Array | None, real_rows: Array,
+                      target_vocab_size: int) -> tuple[Array, Array]:
+    """(q of every expanded node [B, E, V] in the target's vocabulary, each row's
+    validity [B, E]) for the real-q verification."""
+    q = jnp.concatenate(qs, axis=1)  # [B, E, Vd]
+    draft_probs_ok = probs_row_ok(q)
+    if d2t is None:
+        return q, draft_probs_ok
+    # Into the target's vocabulary (a greedy batch skips the scatter).
+    ids = jnp.arange(q.shape[-1], dtype=jnp.int32) + d2t
+    width = q.shape[:2] + (target_vocab_size,)
+    return jax.lax.cond(
+        jnp.any(real_rows),
+        lambda q: jnp.zeros(width, jnp.float32).at[:, :, ids].set(q),
+        lambda q: jnp.zeros(width, jnp.float32), q), draft_probs_ok
