@@ -48,12 +48,9 @@ class KVCacheManager:
         (``PageAllocator.match``), and the target features kept per page are tracked."""
         self.allocator = PageAllocator(num_pages, page_size, max_pages,
                                        prefix_caching=prefix_caching)
-        self.page_size = page_size
-        self.num_slots = num_slots
-        self.step_tokens = step_tokens
+        self.page_size, self.num_slots, self.step_tokens = page_size, num_slots, step_tokens
         self.prefix_caching = prefix_caching
-        self.check_next = check_next
-        self.share_boundary = share_boundary
+        self.check_next, self.share_boundary = check_next, share_boundary
         self.max_page_updates = max_page_updates(num_slots, step_tokens, page_size)
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which served from it

@@ -83,12 +83,9 @@ class Scheduler:
     def __init__(self, *, menu: BucketMenu, kv: KVCacheManager, processor: OutputProcessor,
                  draft_policy, num_slots: int, step_tokens: int, has_draft_lag: bool,
                  seed: int | None):
-        self.menu = menu
-        self.kv = kv
-        self.processor = processor
+        self.menu, self.kv, self.processor = menu, kv, processor
         self.draft_policy = draft_policy
-        self.num_slots = num_slots
-        self.step_tokens = step_tokens
+        self.num_slots, self.step_tokens = num_slots, step_tokens
         self.has_draft_lag = has_draft_lag  # steps of length 0 leave the draft behind
         self.slots: list[Request | None] = [None] * num_slots
         self.slot_changes = SlotChanges(num_slots)
