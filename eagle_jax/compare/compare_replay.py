@@ -315,11 +315,9 @@ def compare(args) -> dict:
         raise ValueError("--temperature is that of the sampled requests: it must be > 0")
     if not 0 <= args.min_agreement <= 1:
         raise ValueError("--min-agreement must be in [0, 1]")
-    tokenizer = None
-    if os.path.exists(os.path.join(target, "tokenizer.json")):
-        from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_dir(target)
+    tokenizer = Tokenizer.from_dir_if_present(target)
     with open(os.path.join(target, "config.json")) as f:
         model_vocab = json.load(f)["vocab_size"]
     vocab = min(tokenizer.vocab_size, model_vocab) if tokenizer is not None else model_vocab

@@ -500,11 +500,9 @@ def evaluate(args) -> dict:
         algo = detect_algorithm(draft)
     if algo not in ("EAGLE", "EAGLE3", "NONE"):
         raise ValueError(f"--algorithm must be EAGLE, EAGLE3, NONE or auto, got {args.algorithm}")
-    tokenizer = None
-    if os.path.exists(os.path.join(target, "tokenizer.json")):
-        from eagle_jax.tokenizer import Tokenizer
+    from eagle_jax.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_dir(target)
+    tokenizer = Tokenizer.from_dir_if_present(target)
     with open(os.path.join(target, "config.json")) as f:
         model_vocab = json.load(f).get("vocab_size")
     vocab = min(tokenizer.vocab_size, model_vocab) if tokenizer is not None else model_vocab
