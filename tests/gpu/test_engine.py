@@ -21,6 +21,7 @@ Every divergence is printed with its gap.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -166,19 +167,36 @@ def test_soak_no_malformed_q_and_no_fallback(soak):
     assert (s.num_malformed_draft_probs, s.num_sampler_fallbacks) == (0, 0), name
 
 
-_TARGET = {}
+@functools.cache
+def _target_forward():
+  """(parameters, jitted forward) of the target alone, float32 at "highest" precision:
+  one executable for every context up to a padded length (eager, each divergence's new
+  context length cost ~30 s of op-by-op compiles on the H100)."""
+  from flax import nnx
+
+  from eagle_jax.models.decoder import load_decoder
+
+  graph, params = nnx.split(load_decoder(DEFAULT_TARGET, "float32"))
+
+  @jax.jit
+  def last_logits(params, tokens, last):
+    model = nnx.merge(graph, params)
+    positions = jnp.arange(tokens.shape[1])[None]
+    return model(tokens, positions, None, logit_rows=last[None, None]).logits[0, 0]
+
+  return params, last_logits
 
 
 def _target_logits(context):
-  """The target alone, float32 at "highest" precision: logits after ``context``."""
-  from eagle_jax.models.decoder import load_decoder
-
-  if "model" not in _TARGET:
-    _TARGET["model"] = load_decoder(DEFAULT_TARGET, "float32")
+  """The target alone, float32 at "highest" precision: logits after ``context``. The
+  context is padded at its end to a power of two (causal: padding after the last
+  position leaves its logits as they are)."""
+  params, last_logits = _target_forward()
+  tokens = np.zeros((1, max(64, 1 << (len(context) - 1).bit_length())), np.int32)
+  tokens[0, :len(context)] = context
   with jax.default_matmul_precision("highest"):
-    x = jnp.asarray([context], jnp.int32)
-    out = _TARGET["model"](x, jnp.arange(len(context))[None], None)
-    return np.asarray(out.logits[0, -1], np.float64)
+    logits = last_logits(params, jnp.asarray(tokens), jnp.int32(len(context) - 1))
+  return np.asarray(logits, np.float64)
 
 
 def _compare_greedy(workload, got, want, label):
