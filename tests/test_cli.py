@@ -91,10 +91,11 @@ def _engine_parser(**kwargs) -> argparse.ArgumentParser:
 def test_from_cli_args_of_no_flags_is_the_default_config():
     from eagle_jax.server.serve import build_parser
 
-    for parser in (_engine_parser(), build_parser()):
+    # The server's one default of its own: it serves while the executables compile.
+    for parser, own in ((_engine_parser(), {}), (build_parser(), {"compile_in_background": True})):
         args = parser.parse_args([])
         assert EngineConfig.from_cli_args(args, model="t", draft_model="d") == EngineConfig(
-            model="t", draft_model="d")
+            model="t", draft_model="d", **own)
     plain = EngineConfig.from_cli_args(_engine_parser().parse_args(
         ["--model", "t", "--speculative-algorithm", "none"]))
     assert plain == EngineConfig(model="t", speculative_algorithm="NONE")

@@ -54,7 +54,8 @@ def test_the_protocol_declares_what_the_drivers_use():
         "add_request", "abort_request", "has_unfinished_requests", "num_running",
         "num_waiting", "step", "add_step_listener", "prompt_logprobs", "scheduler_stats"}
     assert set(ATTRIBUTES) == {"config", "model_name", "tokenizer", "vocab_size",
-                               "max_model_len", "num_slots", "num_steps", "stats"}
+                               "max_model_len", "num_slots", "num_steps", "stats",
+                               "compile_progress"}
     assert set(MEMBERS) == set(METHODS) | set(ATTRIBUTES)
 
 

@@ -877,12 +877,13 @@ class _FlakyEngine:
 
     def __init__(self, tokenizer):
         from eagle_jax.engine import EngineConfig
-        from eagle_jax.engine.types import SpecDecodeStats
+        from eagle_jax.engine.types import CompileProgress, SpecDecodeStats
 
         self.tokenizer = tokenizer
         self.model_name, self.max_model_len, self.vocab_size = "stub", 64, tokenizer.vocab_size
         self.config, self.num_slots = EngineConfig(model="stub", speculative_algorithm="NONE"), 4
         self.stats = SpecDecodeStats(accepted_per_pos=[0])
+        self.compile_progress = CompileProgress(compiled=0, pending=0)
         self.requests, self.fail = {}, True
 
     def add_request(self, request_id, prompt_token_ids, params):

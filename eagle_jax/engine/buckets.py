@@ -152,6 +152,16 @@ class BucketMenu:
         return keys
 
 
+    def ready_set(self) -> list[ExecutableKey]:
+        """The executables that serve any request alone, compiled before the rest with
+        ``compile_in_background``: the largest batch bucket's step drafting num_steps
+        (every occupancy fits its rows, a fixed policy's length), the one-chunk prefill
+        of the longest bucket (it takes any chunk; prompt chunks run as prefills of their
+        own until a step with lanes is compiled) and the slot changes. No catch-up: the
+        draft lags only under the adaptive policy, which starts once all are compiled."""
+        return [StepKey(self.batch_buckets[-1], False, 0, self.num_steps),
+                PrefillKey(1, self.chunk_len, False), UpdateSlotsKey()]
+
 def chunk_shape(shapes: list[tuple[int, int]], remaining: list[int], split: bool = False
                 ) -> tuple[int, int]:
     """The (chunks, positions) shape among ``shapes`` that prefills the most of

@@ -94,7 +94,17 @@ class EngineConfig:
         variant at start. Otherwise the first request that asks for logprobs (as
         lm-eval's loglikelihood tasks do) compiles them while serving, and every running
         stream waits for those compiles.
-      compilation_cache_dir: JAX persistent compilation cache ("" disables it).
+      compile_in_background: with precompile, compile first the few executables that
+        serve any request (``BucketMenu.ready_set``), return, and compile the rest in
+        background threads; until an executable is compiled the scheduler picks a
+        compiled one that can serve (a larger batch bucket, another prefill shape),
+        and an "adaptive" policy drafts num_steps. The server's default (it answers
+        while the rest compile); False compiles everything before the engine returns.
+        One engine over several processes (``multihost``) compiles everything first.
+      compilation_cache_dir: JAX persistent compilation cache and, in its
+        ``executables`` folder, the engine's compiled executables
+        (``executable_store``: a warm start neither traces nor compiles); "" disables
+        both.
       async_scheduling: dispatch each step before reading the previous one's tokens.
       synthetic_acceptance: benchmarks only: accept each draft token with this
         probability instead of by the sampler's verdict (fixes the accept length, as
@@ -127,6 +137,7 @@ class EngineConfig:
     seed: int = 0
     precompile: bool = True
     precompile_logprobs: bool = False
+    compile_in_background: bool = False
     compilation_cache_dir: str = os.path.join(
         os.path.expanduser("~"), ".cache", "eagle_jax", "jax_cache")
     served_model_name: str | None = None
@@ -430,7 +441,12 @@ CLI_FLAGS = (
             "also compile the buckets' logprobs variants at start-up, so that the first "
             "request asking for logprobs (lm-eval's loglikelihood tasks) does not stall the "
             "running streams while they compile", dict(action="store_true")),
+    CliFlag("--compile-in-background", "compile_in_background",
+            "with precompile, be ready once the executables that serve any request are "
+            "compiled, and compile the rest while serving",
+            dict(action=argparse.BooleanOptionalAction)),
     CliFlag("--compilation-cache-dir", "compilation_cache_dir",
-            "JAX persistent compilation cache ('' disables it)",
+            "JAX persistent compilation cache and the engine's stored executables (its "
+            "'executables' folder); '' disables both",
             default_help="default: ~/.cache/eagle_jax/jax_cache"),
 )

@@ -27,7 +27,7 @@ from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.engine import Engine
 from eagle_jax.engine.protocol import EngineFront
 from eagle_jax.engine.types import (
-    RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
+    CompileProgress, RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
 from eagle_jax.sampling import SamplingParams
 
 
@@ -158,6 +158,12 @@ class DataParallelEngine(EngineFront):
                 else:
                     setattr(total, f.name, a + b)
         return total
+
+    @property
+    def compile_progress(self) -> CompileProgress:
+        """The replicas' counts summed."""
+        return sum((r.compile_progress for r in self.replicas[1:]),
+                   self.replicas[0].compile_progress)
 
     def scheduler_stats(self) -> SchedulerStats:
         """Counts summed over the replicas; KV usage their mean (the replicas' pools are

@@ -26,6 +26,7 @@ import jax
 
 from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.draft_policy import FixedDraftLength
+from eagle_jax.engine.executable_store import store_dir
 from eagle_jax.engine.executables import CompileFn, enable_compilation_cache, jit_compile
 from eagle_jax.engine.kv_cache_manager import KVCacheManager
 from eagle_jax.engine.output_processor import OutputProcessor, token_logprobs
@@ -35,7 +36,7 @@ from eagle_jax.engine.scheduler import PrefillPlan, Scheduler, StepPlan
 from eagle_jax.engine.stats import StatsCounter
 from eagle_jax.engine.step_timing import CycleTimer, adaptive_policy, time_steps
 from eagle_jax.engine.types import (
-    RequestOutput, SchedulerStats, StepEvent, TokenLogprob)
+    CompileProgress, RequestOutput, SchedulerStats, StepEvent, TokenLogprob)
 from eagle_jax.models.decoder import Decoder
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.tokenizer import Tokenizer
@@ -64,7 +65,9 @@ class Engine:
         the replicas); None = the first local ones (one device: the default device).
         ``draft_probs_hook`` (tests only) rewrites the draft probabilities inside the
         step, as a corrupted buffer would (004). ``compile_fn`` turns the engine's pure
-        functions into executables (``executables.CompileFn``)."""
+        functions into executables (``executables.CompileFn``); serving's own
+        (``jit_compile``) keeps them between starts in the executable store under
+        ``config.compilation_cache_dir`` (``executable_store``)."""
         if config.data_parallel_size != 1:
             raise ValueError(
                 f"Engine is one replica; for data_parallel_size {config.data_parallel_size} "
@@ -73,12 +76,17 @@ class Engine:
         for line in defaults:
             logger.info("engine: %s", line)
         self.config = config
+        self._started = time.monotonic()
         enable_compilation_cache(config.compilation_cache_dir)
+        # Only serving's CompileFn is stored: another one (the comparison tool's) runs or
+        # wraps the function in a way the store's key cannot see, and so does the hook.
+        stored = compile_fn is jit_compile and draft_probs_hook is None
         self.tokenizer = (tokenizer if tokenizer is not None
                           else Tokenizer.from_dir_if_present(config.model))
         self.runner = runner = ModelRunner(
             config, target=target, draft=draft, devices=devices, compile_fn=compile_fn,
             draft_probs_hook=draft_probs_hook,
+            executable_store_dir=store_dir(config.compilation_cache_dir) if stored else "",
             tokenizer_vocab_size=None if self.tokenizer is None else self.tokenizer.vocab_size)
         # Settings, fixed at construction.
         self.target, self.draft = runner.target, runner.draft
@@ -109,7 +117,8 @@ class Engine:
         self.scheduler = Scheduler(
             menu=self.buckets, kv=self.kv_cache, processor=self.output_processor,
             draft_policy=FixedDraftLength(self.num_steps), num_slots=self.num_slots,
-            step_tokens=self.step_tokens, has_draft_lag=runner.has_draft_lag, seed=config.seed)
+            step_tokens=self.step_tokens, has_draft_lag=runner.has_draft_lag, seed=config.seed,
+            available=runner.executables.available)
         self._counter = StatsCounter(
             num_steps=self.num_steps, vocab_size=self.vocab_size,
             drafted_per_step=self.verify_width - 1 if self.tree_topk > 1 else None)
@@ -122,12 +131,13 @@ class Engine:
             config.speculative_algorithm, self.num_slots, self.max_model_len,
             self.num_pages, self.page_size, self.kv_bytes / 2**30,
             self.num_pages * self.page_size, self.batch_buckets, self.prefill_buckets)
+        # An adaptive policy times every step variant, so it starts once all are
+        # compiled; until then steps draft num_steps (``_start_adaptive_policy``).
+        self._adaptive_pending = len(self.draft_lengths) > 1
         if config.precompile:
-            self.precompile()
-        if config.precompile_logprobs:
-            self.precompile(with_logprobs=True)
-        if len(self.draft_lengths) > 1:
-            self.draft_policy = adaptive_policy(runner)
+            self._compile_at_start()
+        if self._adaptive_pending and self.compile_progress.complete:
+            self._start_adaptive_policy()
 
     # ------------------------------------------------------- state and counters
     state = property(lambda self: self.runner.state,
@@ -156,6 +166,60 @@ class Engine:
         self.runner.set_synthetic_acceptance(rate)
 
     # ------------------------------------------------------------- executables
+    @property
+    def compile_progress(self) -> CompileProgress:
+        """Executables compiled, and pending in the background (``compile_in_background``)."""
+        executables = self.runner.executables
+        return CompileProgress(compiled=len(executables), pending=executables.num_pending)
+
+    def _compile_at_start(self) -> None:
+        """Precompile: the whole menu (its logprobs variants with precompile_logprobs),
+        or with compile_in_background the ready set now and the rest in the background."""
+        config, executables = self.config, self.runner.executables
+        keys = self.buckets.executables()
+        if config.precompile_logprobs:
+            keys += self.buckets.executables(with_logprobs=True)
+        background = config.compile_in_background
+        if background and jax.process_count() > 1:
+            # Every process must choose the same executables (``multihost``): which are
+            # compiled at a given step would differ between them.
+            logger.info("engine: compiling every executable before serving: the engine "
+                        "spans %d processes, whose steps must agree", jax.process_count())
+            background = False
+        if not background:
+            self.precompile()
+            if config.precompile_logprobs:
+                self.precompile(with_logprobs=True)
+            return
+        ready = self.buckets.ready_set()
+        executables.precompile(ready, "compiling the ready set")
+        rest = [key for key in keys if key not in ready]
+        self._ready_seconds = time.monotonic() - self._started
+        logger.info("engine: ready after %.1f s, %d of %d executables compiled; compiling "
+                    "the other %d in the background", self._ready_seconds, len(executables),
+                    len(executables) + len(rest), len(rest))
+        executables.compile_in_background(rest, on_complete=self._log_compiled)
+
+    def _log_compiled(self) -> None:
+        """(A compile thread) the backlog is done."""
+        now = time.monotonic() - self._started
+        logger.info("engine: all %d executables compiled, %.1f s after start (%.1f s after "
+                    "ready)", len(self.runner.executables), now, now - self._ready_seconds)
+
+    def finish_compiling(self) -> None:
+        """Waits for the background compiles; starts the adaptive policy if it waits for
+        them and no request holds a slot (else the next idle ``step()`` does)."""
+        self.runner.executables.wait()
+        if self._adaptive_pending and self._idle():
+            self._start_adaptive_policy()
+
+    def _idle(self) -> bool:
+        return not self.scheduler.num_running() and self._in_flight is None
+
+    def _start_adaptive_policy(self) -> None:
+        self.draft_policy = adaptive_policy(self.runner)
+        self._adaptive_pending = False
+
     def precompile(self, with_logprobs: bool = False) -> None:
         """Compiles every executable of the bucket menu ahead of serving (their variants
         that compute logprobs ``with_logprobs``)."""
@@ -220,6 +284,10 @@ class Engine:
         tokens are read, so the host's bookkeeping overlaps the device's work; a request
         that the previous step finished is then computed once more and discarded.
         """
+        if self._adaptive_pending and self.compile_progress.complete and self._idle():
+            logger.info("engine: every executable compiled; timing the draft lengths for "
+                        "the adaptive policy")
+            self._start_adaptive_policy()
         outputs = self.scheduler.process_aborts()
         prefill_runs = self.num_prefill_runs
         carried, prefilled = self._prefill()
@@ -252,12 +320,12 @@ class Engine:
     def _prefill(self) -> tuple[list[Request], list[RequestOutput]]:
         """Spends this step's prefill budget on the next chunks of the requests in
         prefill (``Scheduler.prefill_candidates``). While requests decode, the chunks ride
-        in the decode step (the requests are returned, for its plan); else they run as
-        prefills of their own, one forward for all of a round's chunks, round after
-        round while budget is left (a request whose last chunk ran joins this step's
+        in the decode step (the requests are returned, for its plan) once a step with
+        lanes is compiled; else they run as prefills of their own, one forward for all
+        of a round's chunks, round after round while budget is left (a request whose last chunk ran joins this step's
         decode; a new one commits its first token, sampled by that chunk)."""
         budget, decoding = self.scheduler.prefill_budget()
-        if decoding:
+        if decoding and self.scheduler.can_carry_chunks():
             return self.scheduler.prefill_candidates(budget), []
         outputs = []
         while budget > 0 and (plan := self.scheduler.plan_prefill(budget)) is not None:

@@ -208,6 +208,10 @@ class LockstepPolicy:
         self.leader = leader
         self._step_times: list[tuple[int, int, float]] = []
 
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return self.policy.lengths
+
     def choose(self, bucket: int) -> int:
         return self.policy.choose(bucket)
 

@@ -15,7 +15,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.types import (
-    RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
+    CompileProgress, RequestOutput, SchedulerStats, SpecDecodeStats, StepEvent, TokenLogprob)
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.tokenizer import Tokenizer
 
@@ -100,6 +100,12 @@ class EngineClient(Protocol):
         """The queues, the KV pool's usage and the cumulative cache and preemption
         counts, now."""
 
+    @property
+    def compile_progress(self) -> CompileProgress:
+        """Executables compiled so far and those still compiling in the background
+        (``EngineConfig.compile_in_background``): the engine serves meanwhile, from the
+        compiled ones. Safe to read from any thread."""
+
 
 def _forward(name: str) -> property:
     """A read-only property: ``self.primary``'s ``name``, documented as the protocol's."""
@@ -126,3 +132,4 @@ class EngineFront(EngineClient):
     num_slots = _forward("num_slots")
     num_steps = _forward("num_steps")
     stats = _forward("stats")
+    compile_progress = _forward("compile_progress")

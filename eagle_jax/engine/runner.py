@@ -9,6 +9,7 @@ the engine learns a setting by reading the device state.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -24,6 +25,7 @@ from eagle_jax.engine.buckets import (
     BucketMenu, CatchUpKey, ExecutableKey, PrefillKey, ScoreKey, StepKey, UpdateSlotsKey)
 from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.draft_tree import scratch_positions
+from eagle_jax.engine.executable_store import ExecutableStore
 from eagle_jax.engine.executables import (
     CompileFn, ExecutableCache, merge_module, split_module)
 from eagle_jax.engine.kv_cache_manager import pad_page_updates, max_page_updates
@@ -42,7 +44,10 @@ logger = logging.getLogger("eagle_jax.engine")
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, target: Decoder | None, draft,
                  tokenizer_vocab_size: int | None, devices: list | None,
-                 compile_fn: CompileFn, draft_probs_hook: Callable | None):
+                 compile_fn: CompileFn, draft_probs_hook: Callable | None,
+                 executable_store_dir: str = ""):
+        """``executable_store_dir``: where compiled executables are kept between starts
+        (``executable_store``; "" = none): only for serving's ``jit_compile``."""
         self.config = config
         self.dtype = resolve_dtype(config.dtype)
         self.mesh = self._make_mesh(target, devices)
@@ -88,7 +93,9 @@ class ModelRunner:
         with jax.default_device(self.device):
             state = self._zero_state()
         self.state = state if self.device is None else jax.device_put(state, self.device)
-        self.executables = ExecutableCache(compile_fn, self._build)
+        store = (ExecutableStore(executable_store_dir, self._executable_context(),
+                                 self.devices) if executable_store_dir else None)
+        self.executables = ExecutableCache(compile_fn, self._build, store)
 
     # ------------------------------------------------------------------ set-up
     def _make_mesh(self, target: Decoder | None, devices: list | None):
@@ -138,6 +145,21 @@ class ModelRunner:
             raise ValueError(f"{config.draft_model} is an {draft.kind} draft but "
                              f"speculative_algorithm is {config.speculative_algorithm}")
         return target, draft
+
+    def _executable_context(self) -> str:
+        """What shapes the executables' functions besides their arguments: the engine's
+        settings (less those that only name, place or schedule), the models' classes and
+        configurations, the vocabulary the sampler keeps to (the store's key)."""
+        unshaping = {"served_model_name", "compilation_cache_dir", "precompile",
+                     "precompile_logprobs", "compile_in_background", "async_scheduling",
+                     "seed", "model", "draft_model"}
+        settings = {f.name: getattr(self.config, f.name)
+                    for f in dataclasses.fields(self.config) if f.name not in unshaping}
+        draft = self.draft
+        return repr((settings, type(self.target).__name__, self.model_config,
+                     None if draft is None else (type(draft).__name__, draft.config,
+                                                 draft.feature_layers),
+                     self.vocab_size, str(self.dtype)))
 
     def _feature_width(self) -> int:
         if self.draft is None:

@@ -26,10 +26,12 @@ import collections
 import dataclasses
 import logging
 import time
+from typing import Callable
 
 import numpy as np
 
-from eagle_jax.engine.buckets import BucketMenu, StepKey, chunk_shape
+from eagle_jax.engine.buckets import (
+    BucketMenu, ExecutableKey, PrefillKey, StepKey, chunk_shape)
 from eagle_jax.engine.kv_cache_manager import KVCacheManager, PageClaim
 from eagle_jax.engine.output_processor import OutputProcessor, token_logprobs
 from eagle_jax.engine.request import Request, threefry_key
@@ -82,8 +84,15 @@ class StepPlan:
 class Scheduler:
     def __init__(self, *, menu: BucketMenu, kv: KVCacheManager, processor: OutputProcessor,
                  draft_policy, num_slots: int, step_tokens: int, has_draft_lag: bool,
-                 seed: int | None):
+                 seed: int | None,
+                 available: Callable[[ExecutableKey], bool] = lambda key: True):
+        """``available(key)``: whether the executable of ``key`` can run without waiting
+        for a compile (``ExecutableCache.available``). While executables compile in the
+        background the plans use available ones only where one can serve (a larger
+        batch bucket, another prefill shape, no chunks riding in a step); once all
+        are, every plan is what the menu alone would choose."""
         self.menu, self.kv, self.processor = menu, kv, processor
+        self.available = available
         self.draft_policy = draft_policy
         self.num_slots, self.step_tokens = num_slots, step_tokens
         self.has_draft_lag = has_draft_lag  # steps of length 0 leave the draft behind
@@ -223,11 +232,21 @@ class Scheduler:
         reqs = self.prefill_candidates(budget)
         if not reqs:
             return None
-        chunks, firsts = self._pack_chunks(reqs, self.menu.prefill_shapes(), budget)
+        with_logprobs = any(r.params.logprobs is not None for r in reqs)
+        shapes = self.menu.prefill_shapes()
+        # (None available: a logprobs variant still compiling, which the prefill waits for.)
+        shapes = [s for s in shapes if self.available(PrefillKey(*s, with_logprobs))] or shapes
+        chunks, firsts = self._pack_chunks(reqs, shapes, budget)
         self.num_prefill_runs += 1
-        return PrefillPlan(chunks, self.slot_changes.take(),
-                           any(r.params.logprobs is not None for r in reqs), firsts,
+        return PrefillPlan(chunks, self.slot_changes.take(), with_logprobs, firsts,
                            int(chunks.length.sum()))
+
+    def can_carry_chunks(self) -> bool:
+        """Whether a decode step can carry prompt chunks now: a step of the largest
+        bucket with lanes is available (else the chunks run as prefills of their own)."""
+        batch = self.menu.batch_buckets[-1]
+        return any(self.available(StepKey(batch, False, n, self.menu.num_steps))
+                   for n in self.menu.step_lane_counts(batch))
 
     def _pack_chunks(self, reqs: list[Request], shapes: list[tuple[int, int]],
                      budget: int | None, split: bool = False
@@ -321,19 +340,18 @@ class Scheduler:
         if not occupied:
             return None
         slot_updates = self.slot_changes.take() if self.slot_changes else None
-        batch = self.menu.batch_for(max(occupied))
         carried = [r for r in carried if r.in_prefill and r.slot >= 0]  # (not preempted)
         # (A carried chunk's first token takes its logprobs from this step too.)
         with_logprobs = any(r.params.logprobs is not None
                             for r in (*occupied.values(), *carried))
+        batch, lane_shapes = self._step_bucket(max(occupied), with_logprobs, bool(carried))
         # A step carrying chunks drafts num_steps (their rows are verify_width wide).
         length = self.menu.num_steps if carried else self.draft_policy.choose(batch)
         catch_up = self._catch_up_draft(occupied, length)
         page_updates = self.kv.page_updates()
         chunks, firsts = None, ()
         if carried:
-            chunks, firsts = self._pack_chunks(carried, self.menu.step_lane_shapes(batch),
-                                               None, split=True)
+            chunks, firsts = self._pack_chunks(carried, lane_shapes, None, split=True)
         behind = length == 0 and self.has_draft_lag  # (a draft to leave behind)
         for req in occupied.values():
             req.in_flight += 1
@@ -343,6 +361,28 @@ class Scheduler:
             slot_updates, catch_up, page_updates, chunks,
             {slot: (req, req.preemptions) for slot, req in occupied.items()},
             tuple((i, req, req.preemptions) for i, req in firsts))
+
+    def _step_bucket(self, max_slot: int, with_logprobs: bool, carrying: bool
+                     ) -> tuple[int, list[tuple[int, int]]]:
+        """(the smallest batch bucket whose rows include ``max_slot`` and that has an
+        available step: of one of the draft policy's lengths, or ``carrying`` chunks, of
+        a lane count; the (lanes, positions) shapes available to it). When none has (a
+        logprobs variant still compiling), the smallest bucket, whose compile the step
+        waits for."""
+        menu = self.menu
+        for batch in menu.batch_buckets:
+            if batch <= max_slot:
+                continue
+            if carrying:
+                shapes = [(n, size) for n, size in menu.step_lane_shapes(batch) if
+                          self.available(StepKey(batch, with_logprobs, n, menu.num_steps))]
+                if shapes:
+                    return batch, shapes
+            elif any(self.available(StepKey(batch, with_logprobs, 0, s))
+                     for s in getattr(self.draft_policy, "lengths", menu.draft_lengths)):
+                return batch, []
+        batch = menu.batch_for(max_slot)
+        return batch, menu.step_lane_shapes(batch) if carrying else []
 
     def _reserve_step_pages(self, occupied: dict[int, Request]) -> dict[int, Request]:
         """Gives every running request the pages the next step may write: positions up

@@ -134,3 +134,21 @@ class StepEvent(NamedTuple):
     output: Any
     rows: dict[int, str]
     outputs: list[RequestOutput]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileProgress:
+    """The engine's executables: compiled so far, and queued for compiling in the
+    background (``EngineConfig.compile_in_background``) and not compiled yet. An engine
+    serves while some are pending, from the compiled ones; with none pending every
+    choice is the bucket menu's own."""
+
+    compiled: int
+    pending: int
+
+    @property
+    def complete(self) -> bool:
+        return self.pending == 0
+
+    def __add__(self, other: "CompileProgress") -> "CompileProgress":
+        return CompileProgress(self.compiled + other.compiled, self.pending + other.pending)

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.protocol import EngineClient
+from ..engine.types import CompileProgress
 from .async_engine import AsyncEngine
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -103,6 +104,15 @@ class _APIKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+def readiness(progress: CompileProgress) -> dict:
+    """``/health``'s body: the server answers (it listens once the engine is ready);
+    "ready-compiling" while executables still compile in the background (requests are
+    served, some at less than full speed), then "ready-complete"."""
+    return {"status": "ready-complete" if progress.complete else "ready-compiling",
+            "executables_compiled": progress.compiled,
+            "executables_total": progress.compiled + progress.pending}
+
+
 def create_app(engine: EngineClient, *, served_model_name: str | None = None,
                api_key: str | None = None, max_queue_len: int = 1024,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_interval: float = 10.0,
@@ -149,10 +159,11 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None,
     async def health():
         if not async_engine.is_running:
             raise APIError(503, "the engine loop is not running")
-        return Response(status_code=200)
+        return readiness(engine.compile_progress)
 
     @app.get("/metrics")
     async def metrics_text():
+        metrics.update_compile_progress(engine.compile_progress)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")

@@ -14,8 +14,10 @@ eagle_jax's own, for the adaptive draft length (no vLLM equivalent): the histogr
 drafted, 0 for the target's step alone) and the counters
 ``eagle_jax:spec_decode_forecast_tokens`` / ``_forecast_seconds`` (what the policy
 expected of its steps: committed tokens and step time), whose rates' ratio is the
-goodput forecast to hold against ``rate(vllm:generation_tokens)``. (prometheus_client appends ``_total`` to counter samples,
-as it does for vLLM.)
+goodput forecast to hold against ``rate(vllm:generation_tokens)``; the gauges
+``eagle_jax:executables_compiled`` / ``eagle_jax:executables_pending`` (compiled so far,
+and still compiling in the background while the server answers: the start-up backlog).
+(prometheus_client appends ``_total`` to counter samples, as it does for vLLM.)
 
 Each ``ServerMetrics`` owns a private ``CollectorRegistry``, so several apps can live in
 one process (tests).
@@ -26,7 +28,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..engine.types import SchedulerStats, SpecDecodeStats
+from ..engine.types import CompileProgress, SchedulerStats, SpecDecodeStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -137,6 +139,15 @@ class ServerMetrics:
             "Histogram of time spent in the waiting queue in seconds.",
             m, buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.executables_compiled = Gauge(
+            "eagle_jax:executables_compiled", "Executables the engine has compiled.", m,
+            registry=r, multiprocess_mode="sum",
+        )
+        self.executables_pending = Gauge(
+            "eagle_jax:executables_pending",
+            "Executables still compiling in the background (the server answers meanwhile "
+            "from the compiled ones).", m, registry=r, multiprocess_mode="sum",
+        )
         n = model_name
         # Create the label children so that every metric shows up (at 0) from the start.
         self._drafts = self.spec_num_drafts.labels(n)
@@ -159,6 +170,8 @@ class ServerMetrics:
         self._e2e = self.e2e_latency.labels(n)
         self._tpot = self.tpot.labels(n)
         self._queue = self.queue_time.labels(n)
+        self._compiled = self.executables_compiled.labels(n)
+        self._pending = self.executables_pending.labels(n)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(n, reason)
         self._last_stats = SpecDecodeStats()
@@ -212,6 +225,10 @@ class ServerMetrics:
         self._prefix_queries.inc(max(queries - self._last_prefix[0], 0))
         self._prefix_hits.inc(max(hits - self._last_prefix[1], 0))
         self._last_prefix = (queries, hits)
+
+    def update_compile_progress(self, progress: CompileProgress) -> None:
+        self._compiled.set(progress.compiled)
+        self._pending.set(progress.pending)
 
     def add_prompt_tokens(self, n: int) -> None:
         if n > 0:

@@ -7,6 +7,11 @@ Without --model it serves the project's embedded default model and its EAGLE-3 d
 (eagle_jax/assets/default/{target,draft}).
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
 /tokenize, /detokenize, /tokenizer_info.
+
+It listens once the executables that serve any request are compiled (loading: the port
+refuses connections); /health then answers 200 with {"status": "ready-compiling"} while
+the others compile in the background, and "ready-complete" once all are
+(--no-compile-in-background: every one before it listens).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from eagle_jax.engine.config import EngineConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    EngineConfig.add_cli_args(p, title="model and engine")
+    # The server answers once the executables that serve any request are compiled and
+    # compiles the rest while serving (/health says which).
+    EngineConfig.add_cli_args(p, title="model and engine",
+                              defaults={"compile_in_background": True})
     m = p.add_argument_group(
         "multi-host (docs/MULTIHOST.md)",
         "one tensor-parallel engine over the devices of several processes (jax.distributed):"
@@ -117,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         log_interval=args.log_interval,
         model_path=model,
     )
-    log.info("serving %s on http://%s:%d (api key %s)", args.served_model_name or engine.model_name,
-             args.host, args.port, "required" if api_key else "not required")
+    progress = engine.compile_progress
+    log.info("serving %s on http://%s:%d (api key %s; %d of %d executables compiled%s)",
+             args.served_model_name or engine.model_name, args.host, args.port,
+             "required" if api_key else "not required", progress.compiled,
+             progress.compiled + progress.pending,
+             "" if progress.complete else ", the rest compiling in the background")
     if distributed:
         # uvicorn re-raises a SIGTERM after its graceful shutdown: as an exception, not
         # the default handler's exit, so that the finally below releases the followers.
