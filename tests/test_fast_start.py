@@ -54,15 +54,21 @@ def _generate(engine, prompts, tag="r") -> dict[str, list[int]]:
     return out
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def keep_jax_cache_dir():
-    """An engine with a compilation_cache_dir points JAX's persistent cache there; the
-    session's own is put back afterwards."""
+    """JAX's persistent cache off for the test (the store keeps nothing while it is in
+    use: ``executable_store.jax_cache_in_use``), the session's put back afterwards. JAX
+    decides once per process whether its cache is used: the decision is reset."""
+    from jax._src import compilation_cache
+
     old = jax.config.jax_compilation_cache_dir
     min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
     yield
     jax.config.update("jax_compilation_cache_dir", old)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+    compilation_cache.reset_cache()
 
 
 # ------------------------------------------------------------- the executable store
@@ -316,20 +322,30 @@ def test_the_least_recently_used_entries_go_past_the_size_limit(tmp_path):
     assert [os.path.exists(store.path(k, _args(), ())) for k in keys] == [True, False, True]
 
 
-def test_an_executable_in_jaxs_cache_is_stored_compiled_afresh(tmp_path, keep_jax_cache_dir):
-    """JAX's persistent cache holds the function already (another process compiled it):
-    the store's entry still loads and runs (one serialized from JAX's cache entry did not:
-    its compiled functions were missing)."""
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+def test_nothing_is_stored_while_jaxs_cache_is_in_use(tmp_path, keep_jax_cache_dir):
+    """With JAX's persistent cache in use a compile may be a load from it, whose
+    serialization lacks its compiled functions on a CPU (the entry loaded, then failed at
+    its first call): the store compiles and keeps nothing; with the cache off it keeps."""
+    from jax._src import compilation_cache
 
     def fused(x, y):
         return jnp.where(x > 0, x + y, y * 2).sum() + jnp.tanh(x @ y.T).sum()
 
-    args = (jnp.ones((32, 32)), jnp.ones((32, 32)))
+    args = (jax.random.normal(jax.random.key(1), (32, 32)), jnp.ones((32, 32)))
+    device, key = jax.devices()[0], ScoreKey(32)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compilation_cache.reset_cache()
     jax.jit(fused).lower(*args).compile()  # into JAX's cache
     jax.clear_caches()
-    device, key = jax.devices()[0], ScoreKey(32)
+    store = ExecutableStore(str(tmp_path / "store"), "ctx", [device])
+    out = store.load_or_compile(key, fused, args, ())(*args)
+    assert float(out) == pytest.approx(float(fused(*args)))
+    assert not os.path.exists(store.path(key, args, ())) and store.misses == 1
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    jax.clear_caches()  # (the in-memory executable is the one JAX's cache gave)
     ExecutableStore(str(tmp_path / "store"), "ctx", [device]).load_or_compile(
         key, fused, args, ())
     store = ExecutableStore(str(tmp_path / "store"), "ctx", [device])

@@ -446,7 +446,7 @@ CLI_FLAGS = (
             "compiled, and compile the rest while serving",
             dict(action=argparse.BooleanOptionalAction)),
     CliFlag("--compilation-cache-dir", "compilation_cache_dir",
-            "JAX persistent compilation cache and the engine's stored executables (its "
-            "'executables' folder); '' disables both",
+            "the engine's stored executables (its 'executables' folder), or JAX's "
+            "persistent compilation cache for an engine that stores none; '' disables both",
             default_help="default: ~/.cache/eagle_jax/jax_cache"),
 )

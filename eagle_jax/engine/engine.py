@@ -77,10 +77,13 @@ class Engine:
             logger.info("engine: %s", line)
         self.config = config
         self._started = time.monotonic()
-        enable_compilation_cache(config.compilation_cache_dir)
         # Only serving's CompileFn is stored: another one (the comparison tool's) runs or
         # wraps the function in a way the store's key cannot see, and so does the hook.
+        # The store stands in for JAX's persistent cache, which must stay off for it to
+        # keep anything (``executable_store.jax_cache_in_use``).
         stored = compile_fn is jit_compile and draft_probs_hook is None
+        if not stored:
+            enable_compilation_cache(config.compilation_cache_dir)
         self.tokenizer = (tokenizer if tokenizer is not None
                           else Tokenizer.from_dir_if_present(config.model))
         self.runner = runner = ModelRunner(

@@ -53,18 +53,21 @@ FORMAT = 1  # bump when an entry's layout changes
 MAX_STORE_BYTES = 2 << 30  # entries beyond this, least recently used first, are removed
 
 
-def _without_jax_cache():
-    """A context (this thread's) in which compiles skip JAX's persistent cache. An
-    executable JAX loaded from its cache serializes without its compiled functions on a
-    CPU (jax 0.10.2: loading the entry then fails at its first call with "NOT_FOUND:
-    Function add_select_fusion.15 not found"), so what the store keeps is compiled
-    afresh; the store stands in for JAX's cache for these executables anyway."""
-    try:  # the per-thread setting has no public name
-        from jax._src import config as jax_config
+def jax_cache_in_use() -> bool:
+    """Whether JAX's persistent compilation cache serves this process's compiles. An
+    executable JAX loaded from that cache serializes without its compiled functions on a
+    CPU (jax 0.10.2: the entry loads, then fails at its first call with "NOT_FOUND:
+    Function add_select_fusion.15 not found"), and a compile does not say whether it was
+    such a load: while JAX's cache is in use, the store keeps nothing. (JAX decides once
+    per process whether its cache is used, so the decision is asked, not the setting.)"""
+    if not jax.config.jax_compilation_cache_dir:
+        return False
+    try:
+        from jax._src import compilation_cache  # the decision has no public name
 
-        return jax_config.enable_compilation_cache(False)
-    except (ImportError, AttributeError):  # another jax: nothing is stored (see below)
-        return None
+        return compilation_cache.is_cache_used(jax.devices()[0].client)
+    except (ImportError, AttributeError):
+        return True
 
 
 def store_dir(compilation_cache_dir: str) -> str:
@@ -136,15 +139,12 @@ class ExecutableStore:
             self.hits += 1
             return signature.wrap(compiled)
         self.misses += 1
-        lowered = signature.lower(fn, example_args, donate_argnums)
-        without_jax_cache = _without_jax_cache()
-        if without_jax_cache is None:
-            logger.info("executable store: this jax cannot compile around its own cache; "
-                        "%r is not stored", key)
-            return signature.wrap(lowered.compile())
-        with without_jax_cache:
-            compiled = lowered.compile()
-        self._save(path, key, compiled)
+        compiled = signature.lower(fn, example_args, donate_argnums).compile()
+        if jax_cache_in_use():
+            logger.debug("executable store: JAX's persistent cache is in use in this "
+                         "process; %r is not stored", key)
+        else:
+            self._save(path, key, compiled)
         return signature.wrap(compiled)
 
     def _load(self, path: str, key: ExecutableKey):
