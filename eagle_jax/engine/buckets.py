@@ -151,7 +151,6 @@ class BucketMenu:
             keys += [CatchUpKey(b) for b in self.batch_buckets]
         return keys
 
-
     def ready_set(self) -> list[ExecutableKey]:
         """The executables that serve any request alone, compiled before the rest with
         ``compile_in_background``: the largest batch bucket's step drafting num_steps
@@ -161,6 +160,7 @@ class BucketMenu:
         draft lags only under the adaptive policy, which starts once all are compiled."""
         return [StepKey(self.batch_buckets[-1], False, 0, self.num_steps),
                 PrefillKey(1, self.chunk_len, False), UpdateSlotsKey()]
+
 
 def chunk_shape(shapes: list[tuple[int, int]], remaining: list[int], split: bool = False
                 ) -> tuple[int, int]:

@@ -101,10 +101,10 @@ class EngineConfig:
         and an "adaptive" policy drafts num_steps. The server's default (it answers
         while the rest compile); False compiles everything before the engine returns.
         One engine over several processes (``multihost``) compiles everything first.
-      compilation_cache_dir: JAX persistent compilation cache and, in its
-        ``executables`` folder, the engine's compiled executables
-        (``executable_store``: a warm start neither traces nor compiles); "" disables
-        both.
+      compilation_cache_dir: in its ``executables`` folder, the engine's compiled
+        executables (``executable_store``: a warm start neither traces nor compiles);
+        an engine that stores none (another ``compile_fn``) points JAX's persistent
+        compilation cache here instead; "" disables both.
       async_scheduling: dispatch each step before reading the previous one's tokens.
       synthetic_acceptance: benchmarks only: accept each draft token with this
         probability instead of by the sampler's verdict (fixes the accept length, as

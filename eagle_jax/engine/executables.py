@@ -197,9 +197,6 @@ class ExecutableCache:
         self._compiled[key] = executable
         return executable
 
-    def is_compiled(self, key: ExecutableKey) -> bool:
-        return key in self._compiled
-
     def available(self, key: ExecutableKey) -> bool:
         """Whether running ``key`` now waits for no background compile: it is compiled,
         or compiles on first use (it was never queued for the background)."""

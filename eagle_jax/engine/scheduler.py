@@ -379,7 +379,7 @@ class Scheduler:
                 if shapes:
                     return batch, shapes
             elif any(self.available(StepKey(batch, with_logprobs, 0, s))
-                     for s in getattr(self.draft_policy, "lengths", menu.draft_lengths)):
+                     for s in self.draft_policy.lengths):
                 return batch, []
         batch = menu.batch_for(max_slot)
         return batch, menu.step_lane_shapes(batch) if carrying else []

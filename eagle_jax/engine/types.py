@@ -147,6 +147,10 @@ class CompileProgress:
     pending: int
 
     @property
+    def total(self) -> int:
+        return self.compiled + self.pending
+
+    @property
     def complete(self) -> bool:
         return self.pending == 0
 

@@ -110,7 +110,7 @@ def readiness(progress: CompileProgress) -> dict:
     served, some at less than full speed), then "ready-complete"."""
     return {"status": "ready-complete" if progress.complete else "ready-compiling",
             "executables_compiled": progress.compiled,
-            "executables_total": progress.compiled + progress.pending}
+            "executables_total": progress.total}
 
 
 def create_app(engine: EngineClient, *, served_model_name: str | None = None,

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s on http://%s:%d (api key %s; %d of %d executables compiled%s)",
              args.served_model_name or engine.model_name, args.host, args.port,
              "required" if api_key else "not required", progress.compiled,
-             progress.compiled + progress.pending,
+             progress.total,
              "" if progress.complete else ", the rest compiling in the background")
     if distributed:
         # uvicorn re-raises a SIGTERM after its graceful shutdown: as an exception, not
