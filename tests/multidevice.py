@@ -383,11 +383,11 @@ def _export_step(engine) -> dict[str, np.ndarray]:
     from eagle_jax.testutil.export import export
 
     spec = lambda s: str(getattr(s, "spec", None))
-    args = engine.step_inputs()
+    args = engine.runner.step_inputs()
     out = {"export/arg_specs": np.array([spec(getattr(x, "sharding", None))
                                          for x in jax.tree.leaves(args)])}
     for platform, target in (("rocm", "gfx950"), ("cuda", "sm_90")):
-        exported = export(engine.step_function(engine.batch_buckets[0]), args, (2,),
+        exported = export(engine.runner.step_function(engine.batch_buckets[0]), args, (2,),
                           platform, target)
         text = exported.mlir_module()
         out[f"export/{platform}/triton_calls"] = np.array(

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from eagle_jax.cli import BENCHES, COMMANDS
-from eagle_jax.engine.config import CLI_FLAGS, EngineConfig
+from eagle_jax.engine.config import EngineConfig
+from eagle_jax.engine.config_flags import CLI_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EAGLE_JAX = os.path.join(os.path.dirname(sys.executable), "eagle-jax")  # pip install -e

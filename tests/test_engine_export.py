@@ -38,7 +38,7 @@ def engine(checkpoints):
 
 def _export_step(engine, platform, target, **kw):
     """The bucket-4 step (``step_function`` keywords ``kw``), exported."""
-    return _export(engine.step_function(4, **kw), engine.step_inputs(), (2,), platform,
+    return _export(engine.runner.step_function(4, **kw), engine.runner.step_inputs(), (2,), platform,
                    target)
 
 
@@ -81,7 +81,7 @@ def test_length_zero_step_and_draft_catch_up_export(adaptive_engine, platform, t
     # The target's paged attention; no draft kernel.
     assert "paged_attention" in text
     assert "rmsnorm_concat" not in text and "draft_proposal" not in text
-    text = _export(engine.runner.catch_up_function(4), (engine.step_inputs()[1], engine.state), (1,),
+    text = _export(engine.runner.catch_up_function(4), (engine.runner.step_inputs()[1], engine.state), (1,),
                    platform, target).mlir_module()
     # Fused norm-concat, paged attention and the gathered LM head of the draft's extend.
     assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") >= 3

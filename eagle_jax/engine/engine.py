@@ -26,17 +26,17 @@ import jax
 
 from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.draft_policy import FixedDraftLength
-from eagle_jax.engine.executable_store import store_dir
-from eagle_jax.engine.executables import CompileFn, enable_compilation_cache, jit_compile
+from eagle_jax.engine.executables import CompileFn, jit_compile
 from eagle_jax.engine.kv_cache_manager import KVCacheManager
 from eagle_jax.engine.output_processor import OutputProcessor, token_logprobs
 from eagle_jax.engine.request import Request, validate_prompt
 from eagle_jax.engine.runner import ModelRunner
-from eagle_jax.engine.scheduler import PrefillPlan, Scheduler, StepPlan
+from eagle_jax.engine.plans import PrefillPlan, StepPlan
+from eagle_jax.engine.scheduler import Scheduler
+from eagle_jax.engine.startup import StartupCompile, precompile_menu
 from eagle_jax.engine.stats import StatsCounter
-from eagle_jax.engine.step_timing import CycleTimer, adaptive_policy, time_steps
-from eagle_jax.engine.types import (
-    CompileProgress, RequestOutput, SchedulerStats, StepEvent, TokenLogprob)
+from eagle_jax.engine.step_timing import CycleTimer, time_steps
+from eagle_jax.engine.types import RequestOutput, SchedulerStats, StepEvent, TokenLogprob
 from eagle_jax.models.decoder import Decoder
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.tokenizer import Tokenizer
@@ -76,21 +76,12 @@ class Engine:
         for line in defaults:
             logger.info("engine: %s", line)
         self.config = config
-        self._started = time.monotonic()
-        # Only serving's CompileFn is stored: another one (the comparison tool's) runs or
-        # wraps the function in a way the store's key cannot see, and so does the hook.
-        # The store stands in for JAX's persistent cache, which must stay off for it to
-        # keep anything (``executable_store.jax_cache_in_use``).
-        stored = compile_fn is jit_compile and draft_probs_hook is None
-        if not stored:
-            enable_compilation_cache(config.compilation_cache_dir)
+        started = time.monotonic()
         self.tokenizer = (tokenizer if tokenizer is not None
                           else Tokenizer.from_dir_if_present(config.model))
         self.runner = runner = ModelRunner(
             config, target=target, draft=draft, devices=devices, compile_fn=compile_fn,
-            draft_probs_hook=draft_probs_hook,
-            executable_store_dir=store_dir(config.compilation_cache_dir) if stored else "",
-            tokenizer_vocab_size=None if self.tokenizer is None else self.tokenizer.vocab_size)
+            draft_probs_hook=draft_probs_hook, tokenizer_vocab_size=None if self.tokenizer is None else self.tokenizer.vocab_size)
         # Settings, fixed at construction.
         self.target, self.draft = runner.target, runner.draft
         self.model_config = runner.model_config
@@ -134,13 +125,7 @@ class Engine:
             config.speculative_algorithm, self.num_slots, self.max_model_len,
             self.num_pages, self.page_size, self.kv_bytes / 2**30,
             self.num_pages * self.page_size, self.batch_buckets, self.prefill_buckets)
-        # An adaptive policy times every step variant, so it starts once all are
-        # compiled; until then steps draft num_steps (``_start_adaptive_policy``).
-        self._adaptive_pending = len(self.draft_lengths) > 1
-        if config.precompile:
-            self._compile_at_start()
-        if self._adaptive_pending and self.compile_progress.complete:
-            self._start_adaptive_policy()
+        self.startup = StartupCompile(config, runner, self.scheduler, started)
 
     # ------------------------------------------------------- state and counters
     state = property(lambda self: self.runner.state,
@@ -169,66 +154,21 @@ class Engine:
         self.runner.set_synthetic_acceptance(rate)
 
     # ------------------------------------------------------------- executables
-    @property
-    def compile_progress(self) -> CompileProgress:
-        """Executables compiled, and pending in the background (``compile_in_background``)."""
-        executables = self.runner.executables
-        return CompileProgress(compiled=len(executables), pending=executables.num_pending)
-
-    def _compile_at_start(self) -> None:
-        """Precompile: the whole menu (its logprobs variants with precompile_logprobs),
-        or with compile_in_background the ready set now and the rest in the background."""
-        config, executables = self.config, self.runner.executables
-        keys = self.buckets.executables()
-        if config.precompile_logprobs:
-            keys += self.buckets.executables(with_logprobs=True)
-        background = config.compile_in_background
-        if background and jax.process_count() > 1:
-            # Every process must choose the same executables (``multihost``): which are
-            # compiled at a given step would differ between them.
-            logger.info("engine: compiling every executable before serving: the engine "
-                        "spans %d processes, whose steps must agree", jax.process_count())
-            background = False
-        if not background:
-            self.precompile()
-            if config.precompile_logprobs:
-                self.precompile(with_logprobs=True)
-            return
-        ready = self.buckets.ready_set()
-        executables.precompile(ready, "compiling the ready set")
-        rest = [key for key in keys if key not in ready]
-        self._ready_seconds = time.monotonic() - self._started
-        logger.info("engine: ready after %.1f s, %d of %d executables compiled; compiling "
-                    "the other %d in the background", self._ready_seconds, len(executables),
-                    len(executables) + len(rest), len(rest))
-        executables.compile_in_background(rest, on_complete=self._log_compiled)
-
-    def _log_compiled(self) -> None:
-        """(A compile thread) the backlog is done."""
-        now = time.monotonic() - self._started
-        logger.info("engine: all %d executables compiled, %.1f s after start (%.1f s after "
-                    "ready)", len(self.runner.executables), now, now - self._ready_seconds)
+    compile_progress = property(lambda self: self.startup.progress, doc=(
+        "Executables compiled, and pending in the background (``compile_in_background``)."))
 
     def finish_compiling(self) -> None:
         """Waits for the background compiles; starts the adaptive policy if it waits for
         them and no request holds a slot (else the next idle ``step()`` does)."""
-        self.runner.executables.wait()
-        if self._adaptive_pending and self._idle():
-            self._start_adaptive_policy()
+        self.startup.finish(self._idle())
 
     def _idle(self) -> bool:
         return not self.scheduler.num_running() and self._in_flight is None
 
-    def _start_adaptive_policy(self) -> None:
-        self.draft_policy = adaptive_policy(self.runner)
-        self._adaptive_pending = False
-
     def precompile(self, with_logprobs: bool = False) -> None:
         """Compiles every executable of the bucket menu ahead of serving (their variants
         that compute logprobs ``with_logprobs``)."""
-        self.runner.executables.precompile(
-            self.buckets.executables(with_logprobs),
-            "compiling buckets" + (" (logprobs)" if with_logprobs else ""))
+        precompile_menu(self.runner.executables, self.buckets, with_logprobs)
 
     def time_steps(self, repeats: int = 8, context: int = 256, greedy: bool = False
                    ) -> dict[tuple[int, int], float]:
@@ -237,14 +177,6 @@ class Engine:
         if self.scheduler.num_running() or self._in_flight is not None:
             raise RuntimeError("draft lengths are timed while no request holds a slot")
         return time_steps(self.runner, repeats, context, greedy)
-
-    def step_inputs(self) -> tuple:
-        """``ModelRunner.step_inputs``: the step's arguments (e.g. for ``jax.export``)."""
-        return self.runner.step_inputs()
-
-    def step_function(self, *args, **kwargs) -> Callable:
-        """``ModelRunner.step_function``: a batch bucket's pure step."""
-        return self.runner.step_function(*args, **kwargs)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -287,10 +219,7 @@ class Engine:
         tokens are read, so the host's bookkeeping overlaps the device's work; a request
         that the previous step finished is then computed once more and discarded.
         """
-        if self._adaptive_pending and self.compile_progress.complete and self._idle():
-            logger.info("engine: every executable compiled; timing the draft lengths for "
-                        "the adaptive policy")
-            self._start_adaptive_policy()
+        self.startup.start_policy_if_ready(self._idle())
         outputs = self.scheduler.process_aborts()
         prefill_runs = self.num_prefill_runs
         carried, prefilled = self._prefill()

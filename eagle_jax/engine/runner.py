@@ -25,13 +25,14 @@ from eagle_jax.engine.buckets import (
     BucketMenu, CatchUpKey, ExecutableKey, PrefillKey, ScoreKey, StepKey, UpdateSlotsKey)
 from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.draft_tree import scratch_positions
-from eagle_jax.engine.executable_store import ExecutableStore
+from eagle_jax.engine.executable_store import ExecutableStore, store_dir
 from eagle_jax.engine.executables import (
-    CompileFn, ExecutableCache, merge_module, split_module)
+    CompileFn, ExecutableCache, enable_compilation_cache, jit_compile, merge_module,
+    split_module)
 from eagle_jax.engine.kv_cache_manager import pad_page_updates, max_page_updates
 from eagle_jax.engine.pool_sizing import size_pool
 from eagle_jax.engine.prefill import prefill_chunks
-from eagle_jax.engine.scheduler import PrefillPlan, StepPlan
+from eagle_jax.engine.plans import PrefillPlan, StepPlan
 from eagle_jax.engine.state import (
     MAX_DRAFT_LAG, SLOT_FIELDS, DecodeState, PrefillChunks, PrefillOutput, SlotUpdates,
     StepOutput, slot_fields, token_logprobs, update_slots)
@@ -44,11 +45,17 @@ logger = logging.getLogger("eagle_jax.engine")
 class ModelRunner:
     def __init__(self, config: EngineConfig, *, target: Decoder | None, draft,
                  tokenizer_vocab_size: int | None, devices: list | None,
-                 compile_fn: CompileFn, draft_probs_hook: Callable | None,
-                 executable_store_dir: str = ""):
-        """``executable_store_dir``: where compiled executables are kept between starts
-        (``executable_store``; "" = none): only for serving's ``jit_compile``."""
+                 compile_fn: CompileFn, draft_probs_hook: Callable | None):
+        """Executables of serving's ``jit_compile`` are kept between starts in the
+        executable store under ``config.compilation_cache_dir`` (``executable_store``)."""
         self.config = config
+        # Only serving's CompileFn is stored: another one (the comparison tool's) runs or
+        # wraps the function in a way the store's key cannot see, and so does the hook.
+        # The store stands in for JAX's persistent cache, which must stay off for it to
+        # keep anything (``executable_store.jax_cache_in_use``); set before any compile.
+        stored = compile_fn is jit_compile and draft_probs_hook is None
+        if not stored:
+            enable_compilation_cache(config.compilation_cache_dir)
         self.dtype = resolve_dtype(config.dtype)
         self.mesh = self._make_mesh(target, devices)
         # A replica of one device (no mesh) is committed to it, so that its executables
@@ -93,8 +100,9 @@ class ModelRunner:
         with jax.default_device(self.device):
             state = self._zero_state()
         self.state = state if self.device is None else jax.device_put(state, self.device)
-        store = (ExecutableStore(executable_store_dir, self._executable_context(),
-                                 self.devices) if executable_store_dir else None)
+        store = (ExecutableStore(store_dir(config.compilation_cache_dir),
+                                 self._executable_context(), self.devices)
+                 if stored and config.compilation_cache_dir else None)
         self.executables = ExecutableCache(compile_fn, self._build, store)
 
     # ------------------------------------------------------------------ set-up

@@ -23,7 +23,6 @@ the tokens it already produced (nothing it streamed is repeated).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from typing import Callable
@@ -34,6 +33,7 @@ from eagle_jax.engine.buckets import (
     BucketMenu, ExecutableKey, PrefillKey, StepKey, chunk_shape)
 from eagle_jax.engine.kv_cache_manager import KVCacheManager, PageClaim
 from eagle_jax.engine.output_processor import OutputProcessor, token_logprobs
+from eagle_jax.engine.plans import FirstToken, PrefillPlan, StepPlan
 from eagle_jax.engine.request import Request, threefry_key
 from eagle_jax.engine.slot_changes import SlotChanges
 from eagle_jax.engine.state import MAX_DRAFT_LAG, PrefillChunks, PrefillOutput, SlotUpdates
@@ -41,45 +41,6 @@ from eagle_jax.engine.types import RequestOutput, SchedulerStats
 from eagle_jax.sampling import SamplingRows
 
 logger = logging.getLogger("eagle_jax.engine")
-
-# (chunk index, the new request whose first token the chunk samples)
-FirstToken = tuple[int, Request]
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillPlan:
-    """Prompt chunks run in a forward of their own (nothing decodes)."""
-
-    chunks: PrefillChunks  # host arrays, [L] / [L, C]
-    slot_updates: SlotUpdates  # applied by the prefill itself
-    with_logprobs: bool
-    firsts: tuple[FirstToken, ...]
-    num_positions: int  # prompt positions it runs
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(chunks, positions per chunk)."""
-        return self.chunks.tokens.shape
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """One decode step: its executable, what the runner applies before it, and the rows
-    whose tokens it commits."""
-
-    key: StepKey
-    slot_updates: SlotUpdates | None  # dispatched first, when any slot changed
-    catch_up: bool  # the draft's catch-up runs before the step
-    page_updates: np.ndarray  # [U, 3] the page-table entries the step applies
-    chunks: PrefillChunks | None  # prompt chunks riding in the step (key.num_lanes of them)
-    rows: dict[int, tuple[Request, int]]  # slot -> (request, its preemptions at dispatch)
-    firsts: tuple[tuple[int, Request, int], ...]  # FirstToken + preemptions at dispatch
-
-    @property
-    def timed(self) -> bool:
-        """Whether its cycle is the step's alone (no chunk, no catch-up)."""
-        return self.chunks is None and not self.catch_up
-
 
 class Scheduler:
     def __init__(self, *, menu: BucketMenu, kv: KVCacheManager, processor: OutputProcessor,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eagle_jax.engine.scheduler import StepPlan
+from eagle_jax.engine.plans import StepPlan
 from eagle_jax.engine.types import SpecDecodeStats
 
 

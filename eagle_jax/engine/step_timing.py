@@ -16,7 +16,7 @@ from eagle_jax.engine.buckets import StepKey
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength
 from eagle_jax.engine.page_allocator import pages_for
 from eagle_jax.engine.runner import ModelRunner
-from eagle_jax.engine.scheduler import StepPlan
+from eagle_jax.engine.plans import StepPlan
 from eagle_jax.engine.state import MAX_DRAFT_LAG
 from eagle_jax.sampling import SamplingRows
 
