@@ -30,6 +30,8 @@ BENCHES = {
     "attention": ("eagle_jax.bench.attention",
                   "paged attention: checks, timings and a tuning sweep"),
     "serve": ("eagle_jax.bench.serve", "the server under AIPerf, speculation on and off"),
+    "startup": ("eagle_jax.bench.startup",
+                "seconds to ready cold and warm, each executable's compile, weight loading"),
 }
 COMMANDS = {
     "serve": ("eagle_jax.server.serve", "the OpenAI-compatible server"),

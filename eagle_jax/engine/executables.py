@@ -87,11 +87,17 @@ class CallSignature:
         return cls(device, host, HostLayout([example_args[i] for i in host]))
 
     def lower(self, fn: Callable, example_args: tuple, donate_argnums: tuple[int, ...]):
-        """Traces and lowers ``fn`` (under ``TRACE_LOCK``) taking the host arguments as
-        one packed buffer: ``jax.stages.Lowered``."""
+        """``jax.stages.Lowered`` of ``trace``."""
+        traced = self.trace(fn, example_args, donate_argnums)
+        with TRACE_LOCK:
+            return traced.lower()
+
+    def trace(self, fn: Callable, example_args: tuple, donate_argnums: tuple[int, ...]):
+        """Traces ``fn`` (under ``TRACE_LOCK``) taking the host arguments as one packed
+        buffer: ``jax.stages.Traced``."""
         if self.layout is None:
             with TRACE_LOCK:
-                return jax.jit(fn, donate_argnums=donate_argnums).lower(*example_args)
+                return jax.jit(fn, donate_argnums=donate_argnums).trace(*example_args)
         device, host, layout = self.device, self.host, self.layout
 
         def unpacked(*args):
@@ -101,7 +107,7 @@ class CallSignature:
 
         with TRACE_LOCK:
             return jax.jit(unpacked, donate_argnums=tuple(
-                device.index(i) for i in donate_argnums)).lower(
+                device.index(i) for i in donate_argnums)).trace(
                     *(example_args[i] for i in device), layout.spec)
 
     def wrap(self, compiled: Callable) -> Callable:
