@@ -8,6 +8,16 @@ import tempfile
 import jax
 import pytest
 
+from .multidevice import FAST_COMPILE_FLAGS
+
+# On the CPU (the suite's own command sets JAX_PLATFORMS=cpu; the GPU suite's does not),
+# XLA compiles with LLVM's cheaper passes: the suite builds hundreds of programs and runs
+# each a few times, so compile time, not run time, is most of it (a sample of two files on
+# CI's 2 cores: 281 s against 361 s). Set before any computation starts the backend, which
+# reads XLA_FLAGS once; a caller's own XLA_FLAGS are left as they are.
+if os.environ.get("JAX_PLATFORMS") == "cpu" and "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = FAST_COMPILE_FLAGS
+
 # Tests compare float32 results against float64-accurate references.
 jax.config.update("jax_default_matmul_precision", "highest")
 # Engines of equal shapes in different tests compile the same programs: one persistent

@@ -61,7 +61,8 @@ def run_engines_in_subprocess(target: str, draft: str, out_path: str, runs: list
 
 
 # The engines' steps are big programs that run a few times each: compiling them with
-# LLVM's cheaper passes takes a third off the XLA compile time, most of such a child's.
+# LLVM's cheaper passes takes a third off the XLA compile time, most of such a child's
+# (and of the whole CPU suite's: ``conftest.py`` sets them for the test processes too).
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
