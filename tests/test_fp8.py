@@ -159,3 +159,234 @@ def test_fp8_dtype_follows_the_device():
     assert fp8_dtype(dev("gfx950", "AMD Instinct MI355X")) == "float8_e4m3fn"
     assert fp8_dtype(dev("9.0", "NVIDIA H100 80GB HBM3")) == "float8_e4m3fn"
     assert fp8_dtype(jax.devices("cpu")[0]) == "float8_e4m3fn"
+
+
+# ----------------------------------------------------------------- checkpoint layouts
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HF = tiny_config("llama", vocab_size=256, hidden_size=64, num_layers=2, intermediate_size=128)
+
+
+def _ct_config(preset: str) -> dict:
+    """compressed-tensors' own quantization_config of a preset scheme ("FP8_DYNAMIC":
+    channel weights, dynamic per-token activations; "FP8": tensor weights, static
+    activations), as its releases write it."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset,
+                                                                            ["Linear"])},
+                                ignore=["lm_head"], format="float-quantized",
+                                quantization_status="compressed")
+    return json.loads(json.dumps(config.model_dump()))
+
+
+FBGEMM_CONFIG = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                 "modules_to_not_convert": ["lm_head"]}
+
+
+def _quantize_by_hand(w: np.ndarray, per_channel: bool):
+    """The checkpoints' own recipe (absolute maximum to 448), written here apart from
+    ``eagle_jax.fp8`` so that the layouts do not depend on the code they test."""
+    amax = np.abs(w).max(axis=1, keepdims=True) if per_channel else np.abs(w).max().reshape(1)
+    scale = (amax / 448.0).astype(np.float32)
+    return (w / (scale if per_channel else scale[0])).astype(FN), scale
+
+
+def _write_fp8(src: str, out: str, qconfig: dict, *, per_channel=True, static=False,
+               edit=None) -> str:
+    """The float checkpoint ``src`` as an FP8 one: every projection's ``weight`` F8_E4M3
+    and ``weight_scale`` ([out, 1] per channel, [1] per tensor), ``input_scale`` [1] when
+    static; ``edit(tensors)`` then breaks it (error tests)."""
+    reader = CheckpointReader(src)
+    tensors = {}
+    for name in reader.keys():
+        w = np.asarray(reader.get(name))
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS:
+            tensors[name], tensors[module + ".weight_scale"] = _quantize_by_hand(w, per_channel)
+            if static:
+                tensors[module + ".input_scale"] = np.array([0.02], np.float32)
+        else:
+            tensors[name] = w
+    if edit is not None:
+        edit(tensors)
+    save_sharded(out, tensors)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dict(HF, quantization_config=qconfig), f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny float Llama (weights of std 0.1: peaked logits) and its FP8 layouts."""
+    root = tmp_path_factory.mktemp("fp8")
+    model = Decoder(ModelConfig.from_hf_dict(HF), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    from eagle_jax.params import module_param_paths
+    for path, var in module_param_paths(model):
+        shape = var.shape
+        value = (rng.uniform(0.8, 1.2, shape) if "norm" in str(path) else
+                 rng.normal(0, 0.1, shape))
+        var.set_value(jnp.asarray(value, jnp.float32))
+    save_decoder(model, str(root / "float"), HF)
+    src = str(root / "float")
+    return dict(
+        float=src,
+        ct_channel=_write_fp8(src, str(root / "ct_channel"), _ct_config("FP8_DYNAMIC")),
+        ct_tensor=_write_fp8(src, str(root / "ct_tensor"), _ct_config("FP8"),
+                             per_channel=False, static=True),
+        fbgemm=_write_fp8(src, str(root / "fbgemm"), FBGEMM_CONFIG),
+        root=root)
+
+
+def _relative_rms(out, ref) -> float:
+    return float(np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref ** 2)))
+
+
+def _logits(model):
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, 256, (2, 12)), jnp.int32)
+    return np.asarray(model(tokens, jnp.broadcast_to(jnp.arange(12), (2, 12)), None).logits)
+
+
+@pytest.mark.parametrize("layout", ["ct_channel", "ct_tensor", "fbgemm"])
+def test_fp8_checkpoint_loads_and_saves_back_to_its_layout(checkpoints, layout, tmp_path):
+    """Each layout loads (the weights' bits and scales as stored), and saves back with
+    the same tensor names, dtypes, shapes, values and quantization_config."""
+    src = checkpoints[layout]
+    model = load_decoder(src)
+    proj = model.layers[1].mlp.down_proj
+    assert proj.weight.dtype == FN and proj.weight_scale.dtype == np.float32
+    assert (proj.input_scale is not None) == (layout == "ct_tensor")
+    save_decoder(model, str(tmp_path), HF)
+    a, b = CheckpointReader(src), CheckpointReader(str(tmp_path))
+    assert sorted(a.keys()) == sorted(b.keys())
+    for name in a.keys():
+        assert (a.dtype(name), a.shape(name)) == (b.dtype(name), b.shape(name)), name
+        np.testing.assert_array_equal(np.asarray(a.get(name)).view(np.uint8),
+                                      np.asarray(b.get(name)).view(np.uint8), err_msg=name)
+    saved = json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]
+    assert saved == json.load(open(os.path.join(src, "config.json")))["quantization_config"]
+
+
+@pytest.mark.parametrize("layout", ["ct_channel", "ct_tensor", "fbgemm", "on_the_fly"])
+def test_fp8_logits_stay_close_to_the_float_model(checkpoints, layout):
+    """Tolerance: rounding to e4m3 leaves each weight and activation within 2**-4 of
+    itself (about 2.5% rms for the usual values), so each FP8 projection's output carries
+    about sqrt(2) x 2.5% ~ 3.6% rms relative noise, whatever its width (the errors add as
+    the products do). Seven projections a layer, two layers, and a random model that
+    amplifies them: measured 9-10% rms on the logits (per-tensor static: 10%); the test
+    allows 15% and needs 85% of the argmaxes to stay. A wrong scale (a row's, the fnuz
+    doubling, a fused part's) moves the logits by their own size."""
+    ref = _logits(load_decoder(checkpoints["float"]))
+    model = (load_decoder(checkpoints["float"], quantization="fp8") if layout == "on_the_fly"
+             else load_decoder(checkpoints[layout]))
+    out = _logits(model)
+    err = _relative_rms(out, ref)
+    agree = np.mean(out.argmax(-1) == ref.argmax(-1))
+    print(f"{layout}: rms logit error / rms logit = {err:.4f}, argmax agreement {agree:.3f}")
+    assert 0 < err < 0.15
+    assert agree >= 0.85
+
+
+def test_on_the_fly_quantization_saves_as_compressed_tensors(checkpoints, tmp_path):
+    """A float checkpoint quantized while loading saves as compressed-tensors (channel
+    weights, dynamic activations; compressed-tensors reads its config), which loads back
+    to the same model."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    model = load_decoder(checkpoints["float"], quantization="fp8")
+    save_decoder(model, str(tmp_path), HF)
+    qc = json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qc)
+    group = parsed.config_groups["group_0"]
+    assert group.weights.strategy == "channel" and group.input_activations.dynamic
+    assert CheckpointReader(str(tmp_path)).shape("model.layers.0.self_attn.k_proj.weight_scale") \
+        == (32, 1)
+    np.testing.assert_array_equal(_logits(load_decoder(str(tmp_path))), _logits(model))
+
+
+def test_fnuz_loading_keeps_the_products(checkpoints, monkeypatch, tmp_path):
+    """On gfx942 (a device reporting it; the CPU computes fnuz dots too) a compressed-
+    tensors checkpoint loads as e4m3fnuz with doubled scales: the dequantized weights
+    equal the fn checkpoint's exactly, and it saves back to the fn layout bit for bit."""
+    import eagle_jax.models.decoder as decoder_module
+
+    fn_model = load_decoder(checkpoints["ct_tensor"])
+    monkeypatch.setattr(decoder_module, "fp8_dtype", lambda device=None: "float8_e4m3fnuz")
+    model = load_decoder(checkpoints["ct_tensor"])
+    a, b = fn_model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.qkv_proj
+    assert b.weight.dtype == FNUZ
+    np.testing.assert_array_equal(dequantize(b.weight[...], b.weight_scale[...]),
+                                  dequantize(a.weight[...], a.weight_scale[...]))
+    np.testing.assert_array_equal(np.asarray(b.input_scale[...]),
+                                  2 * np.asarray(a.input_scale[...]))
+    assert _relative_rms(_logits(model), _logits(fn_model)) < 0.15
+    save_decoder(model, str(tmp_path), HF)
+    src, saved = CheckpointReader(checkpoints["ct_tensor"]), CheckpointReader(str(tmp_path))
+    for name in src.keys():
+        np.testing.assert_array_equal(np.asarray(src.get(name)).view(np.uint8),
+                                      np.asarray(saved.get(name)).view(np.uint8))
+
+
+# ------------------------------------------------------------------------- errors
+def _set(name, value):
+    def edit(tensors):
+        if value is None:
+            del tensors[name]
+        else:
+            tensors[name] = value
+    return edit
+
+
+SCALE = "model.layers.1.mlp.down_proj.weight_scale"
+K_SCALE = "model.layers.0.self_attn.k_proj.weight_scale"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_set(SCALE, None), rf"lacks tensor '{SCALE}'; expected shape \(64, 1\)"),
+    (_set(K_SCALE, np.ones((32, 2), np.float32)),
+     rf"'{K_SCALE}' has shape \(32, 2\); expected shape \(32, 1\)"),
+    (_set(SCALE, np.full((64, 1), np.nan, np.float32)), rf"'{SCALE}' holds nan; .*finite and"),
+    (_set(SCALE, np.zeros((64, 1), np.float32)), rf"'{SCALE}' holds 0.0; .*positive"),
+    (_set(SCALE, -np.ones((64, 1), np.float32)), rf"'{SCALE}' holds -1.0"),
+], ids=["missing", "shape", "nan", "zero", "negative"])
+def test_bad_scales_name_the_file_and_tensor(checkpoints, tmp_path, edit, match):
+    out = _write_fp8(checkpoints["float"], str(tmp_path), _ct_config("FP8_DYNAMIC"), edit=edit)
+    with pytest.raises(CheckpointError, match=match) as info:
+        load_decoder(out)
+    assert str(tmp_path) in str(info.value)
+
+
+def _int4_config():
+    qc = _ct_config("FP8_DYNAMIC")
+    qc["format"] = "pack-quantized"
+    qc["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int")
+    return qc
+
+
+def _block_config():
+    qc = _ct_config("FP8_DYNAMIC")
+    qc["config_groups"]["group_0"]["weights"].update(strategy="block", block_structure=[128, 128])
+    return qc
+
+
+@pytest.mark.parametrize("qconfig, match", [
+    (_int4_config, r"format 'pack-quantized' is not supported"),
+    (_block_config, r"weights.strategy 'block' is not supported"),
+    (lambda: {"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise"),
+    (lambda: {"quant_method": "gptq", "bits": 4}, r"quant_method 'gptq' is not supported"),
+], ids=["int4", "block", "hf-fp8-block", "gptq"])
+def test_unsupported_schemes_are_refused(checkpoints, tmp_path, qconfig, match):
+    out = _write_fp8(checkpoints["float"], str(tmp_path), qconfig())
+    with pytest.raises(CheckpointError, match=match) as info:
+        load_decoder(out)
+    assert os.path.join(str(tmp_path), "config.json") in str(info.value)
+
+
+def test_fp8_tensors_without_a_quantization_config_are_refused(checkpoints, tmp_path):
+    out = _write_fp8(checkpoints["float"], str(tmp_path), {})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(HF, f)
+    with pytest.raises(CheckpointError, match=r"proj.weight' is float8_e4m3fn; .*"
+                                              r"quantization_config"):
+        load_decoder(out)
