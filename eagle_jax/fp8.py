@@ -86,6 +86,15 @@ class Fp8Spec:
     def static(self) -> bool:
         return self.activation == "static"
 
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        source = ("quantized while loading" if self.config is None else
+                  f"a {self.checkpoint_format} checkpoint")
+        weights = "per-tensor" if self.weight_strategy == "tensor" else "per-channel"
+        acts = ("static per-tensor" if self.static else "dynamic per-token")
+        return (f"{self.dtype} weights ({source}), {weights} weight scales, {acts} "
+                f"activation scales; embedding, LM head, norms and KV cache unquantized")
+
     def quantizes(self, module_name: str) -> bool:
         """Whether the Hugging Face module ``module_name`` (e.g.
         ``model.layers.0.mlp.down_proj``) is quantized: not named in ``ignore``."""

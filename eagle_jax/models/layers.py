@@ -24,7 +24,7 @@ from flax import nnx
 from eagle_jax import parallel
 from eagle_jax.checkpoint import fused_row_order
 from eagle_jax.config import RopeScaling
-from eagle_jax.fp8 import Fp8Spec, fp8_linear
+from eagle_jax.fp8 import Fp8Spec, device_scale, device_weight, fp8_linear, quantize_weight
 from eagle_jax.kernels.paged_attention import paged_attention
 
 Array = jax.Array
@@ -157,6 +157,33 @@ class FusedLinear(nnx.Module):
         bounds = [sum(per_shard[:i + 1]) for i in range(len(per_shard) - 1)]
         y = y.reshape(*y.shape[:-1], self.shards, sum(per_shard))  # [..., shards, block]
         return tuple(p.reshape(*p.shape[:-2], -1) for p in jnp.split(y, bounds, axis=-1))
+
+
+def quantize_linears(module: nnx.Module, quant: Fp8Spec,
+                     skip: tuple[str, ...] = ("lm_head",)) -> nnx.Module:
+    """Every float ``Linear`` / ``FusedLinear`` of a loaded ``module`` (in place; returns
+    it) made FP8 on the fly: per-row weight scales (``fp8.quantize_weight``, in the
+    spec's format), per-token activations; the modules named in ``skip`` (the LM head,
+    which the drafts read whole) stay as they are. The new parameters go where the
+    weight was, which must be whole on each of its devices (a draft: replicated)."""
+    chosen = [m for path, m in nnx.iter_graph(module)
+              if isinstance(m, (Linear, FusedLinear)) and m.quant is None
+              and not (path and str(path[-1]) in skip)]
+    for m in chosen:
+        w = m.weight[...]
+        if not w.sharding.is_fully_replicated:
+            raise ValueError("quantize_linears needs whole weights on each device; a "
+                             "tensor-parallel model quantizes while loading "
+                             "(load_decoder(quantization='fp8'))")
+        q, scale = quantize_weight(jax.device_get(w))
+        meta = {k: v for k, v in m.weight.get_metadata().items() if k.startswith("checkpoint_")}
+        meta["checkpoint_keeps_dtype"] = True
+        m.weight = nnx.Param(jax.device_put(device_weight(q, quant.dtype), w.sharding), **meta)
+        m.weight_scale = nnx.Param(jax.device_put(device_scale(scale, quant.dtype), w.sharding),
+                                   **meta)
+        m.input_scale = None
+        m.quant = quant
+    return module
 
 
 class Embedding(nnx.Module):
