@@ -390,3 +390,146 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(checkpoints, tmp_
     with pytest.raises(CheckpointError, match=r"proj.weight' is float8_e4m3fn; .*"
                                               r"quantization_config"):
         load_decoder(out)
+
+
+# ------------------------------------------------------------------------- engines
+ENGINE = dict(dtype="float32", max_model_len=96, max_num_seqs=4, batch_buckets=(4,),
+              prefill_buckets=(32,), compilation_cache_dir="", num_steps=3)
+
+
+@pytest.fixture(scope="module")
+def fp8_target(models, tmp_path_factory):
+    """conftest's tiny Llama (with its tokenizer) as a compressed-tensors FP8 checkpoint."""
+    import shutil
+
+    out = str(tmp_path_factory.mktemp("fp8_engine") / "target")
+    os.makedirs(out)
+    for name in os.listdir(models["target"]):
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(models["target"], name), out)
+    global HF
+    hf = json.load(open(os.path.join(models["target"], "config.json")))
+    saved, HF = HF, hf
+    try:
+        _write_fp8(models["target"], out, _ct_config("FP8_DYNAMIC"))
+    finally:
+        HF = saved
+    return out
+
+
+def _greedy(engine, prompts, max_tokens):
+    from eagle_jax import SamplingParams
+    from eagle_jax.engine import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.token_ids for o in LLM(engine=engine).generate(prompts, params, use_tqdm=False)]
+
+
+def _target_greedy(target, prompts, max_tokens, vocab, length):
+    """Plain greedy decoding by the target's own forward (no cache: each step attends
+    causally over the whole padded sequence, one compile): the speculative engine's
+    greedy output must be exactly this."""
+    graph, params = nnx.split(target)
+    forward = jax.jit(lambda params, tokens: nnx.merge(graph, params)(
+        tokens, jnp.arange(length)[None], None).logits[0, :, :vocab])
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(max_tokens):
+            tokens = np.zeros((1, length), np.int32)
+            tokens[0, :len(ids)] = ids
+            ids.append(int(np.argmax(np.asarray(forward(params, tokens))[len(ids) - 1])))
+        out.append(ids[len(prompt):])
+    return out
+
+
+def test_speculation_over_an_fp8_target_is_exact(models, fp8_target, caplog):
+    """An EAGLE-3 engine over the compressed-tensors FP8 target, its draft quantized too
+    (--draft-quantization fp8) and fed the FP8 target's features as they come: its greedy
+    output is the FP8 target's own plain greedy output, token for token."""
+    from eagle_jax.engine import Engine, EngineConfig
+
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(7, 300, int(rng.integers(3, 30)))]
+               for _ in range(4)]
+    with caplog.at_level("INFO", logger="eagle_jax.engine"):
+        spec = Engine(EngineConfig(model=fp8_target, draft_model=models["eagle3"],
+                                   speculative_algorithm="EAGLE3", draft_quantization="fp8",
+                                   **ENGINE))
+    assert "the target in FP8: float8_e4m3fn weights (a compressed-tensors checkpoint)" \
+        in caplog.text
+    assert "the draft's linear layers in FP8" in caplog.text
+    assert spec.runner.draft.fc.weight.dtype == FN
+    assert spec.runner.target.layers[0].mlp.gate_up_proj.weight.dtype == FN
+    out = _greedy(spec, prompts, 20)
+    assert out == _target_greedy(spec.runner.target, prompts, 20, spec.runner.vocab_size, 64)
+    assert spec.stats.num_invalid_tokens == 0
+
+
+def test_default_pair_in_fp8_agrees_with_float32():
+    """The default pair, its target quantized to FP8 on the fly (the draft in float32,
+    the default), on four held-out prompts: speculative greedy output exactly the FP8
+    target's own; against float32's, how much of it agrees and both accept lengths,
+    printed; the accept length within 5% of float32's."""
+    from eagle_jax.assets import DEFAULT_DIR, DEFAULT_DRAFT, DEFAULT_TARGET
+    from eagle_jax.engine import Engine, EngineConfig
+
+    with open(os.path.join(DEFAULT_DIR, "heldout_prompts.jsonl")) as f:
+        prompts = [json.loads(line)["prompt"] for line in f][4:8]
+    small = dict(dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=(4,),
+                 prefill_buckets=(128,), compilation_cache_dir="", num_steps=5)
+    runs = {}
+    for name, quantization in (("float32", None), ("fp8", "fp8")):
+        engine = Engine(EngineConfig(model=DEFAULT_TARGET, draft_model=DEFAULT_DRAFT,
+                                     speculative_algorithm="EAGLE3",
+                                     quantization=quantization, **small))
+        ids = [engine.tokenizer.encode(p) for p in prompts]
+        runs[name] = (_greedy(engine, ids, 40), engine.stats.mean_accept_length)
+    assert engine.runner.draft.fc.weight.dtype == np.float32
+    assert engine.runner.target.layers[0].self_attn.o_proj.weight.dtype == FN
+    (ref, ref_accept), (out, accept) = runs["float32"], runs["fp8"]
+    assert out == _target_greedy(engine.runner.target, ids, 40, engine.runner.vocab_size,
+                                 max(len(i) for i in ids) + 40)
+    same = [int(np.sum(np.cumprod(np.equal(a, b)))) for a, b in zip(out, ref)]
+    match = float(np.mean([np.mean(np.equal(a, b)) for a, b in zip(out, ref)]))
+    print(f"\ndefault pair, FP8 target vs float32: identical prefixes {same} of 40 tokens, "
+          f"{match:.1%} of tokens equal; accept length {accept:.3f} vs {ref_accept:.3f} "
+          f"({accept / ref_accept - 1:+.1%})")
+    assert abs(accept / ref_accept - 1) <= 0.05
+
+
+def test_fp8_scales_shard_with_their_weights_output_axis(checkpoints):
+    """Tensor parallelism: every parameter of an FP8 decoder gets its role's spec; a
+    weight_scale [out] splits with a column-parallel weight's rows and is whole beside a
+    row-parallel weight (whose input axis splits), a static input_scale is replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    from eagle_jax.parallel import TP_AXIS, param_spec
+    from eagle_jax.params import module_param_paths
+
+    model = load_decoder(checkpoints["ct_tensor"])
+    specs = {path[-2:]: param_spec(path, var.shape, 2)
+             for path, var in module_param_paths(model) if path[:2] == ("layers", 0)}
+    assert specs["qkv_proj", "weight"] == specs["gate_up_proj", "weight"] == P(TP_AXIS, None)
+    assert specs["qkv_proj", "weight_scale"] == specs["gate_up_proj", "weight_scale"] == P(TP_AXIS)
+    assert specs["o_proj", "weight"] == specs["down_proj", "weight"] == P(None, TP_AXIS)
+    assert specs["o_proj", "weight_scale"] == specs["down_proj", "weight_scale"] == P()
+    assert specs["qkv_proj", "input_scale"] == specs["down_proj", "input_scale"] == P()
+
+
+def test_quantization_flags_and_their_checks():
+    import argparse
+
+    from eagle_jax.engine import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--quantization", "fp8", "--draft-quantization", "fp8"])
+    config = EngineConfig.from_cli_args(args, model="t", draft_model="d")
+    assert (config.quantization, config.draft_quantization) == ("fp8", "fp8")
+    assert EngineConfig.from_cli_args(parser.parse_args([]), model="t",
+                                      draft_model="d").quantization is None
+    with pytest.raises(ValueError, match=r"quantization must be one of \('fp8',\)"):
+        EngineConfig(model="t", speculative_algorithm="NONE", quantization="int4")
+    with pytest.raises(ValueError, match="draft_quantization quantizes the draft"):
+        EngineConfig(model="t", speculative_algorithm="NONE", draft_quantization="fp8")
