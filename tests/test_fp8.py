@@ -533,3 +533,22 @@ def test_quantization_flags_and_their_checks():
         EngineConfig(model="t", speculative_algorithm="NONE", quantization="int4")
     with pytest.raises(ValueError, match="draft_quantization quantizes the draft"):
         EngineConfig(model="t", speculative_algorithm="NONE", draft_quantization="fp8")
+
+
+def test_fp8_tensor_parallel_2_equals_1(checkpoints, tmp_path):
+    """The static, per-tensor compressed-tensors checkpoint loaded tensor-parallel over 2
+    host devices (``tests/multidevice.py``'s child: a ragged prefill through the paged
+    cache, decode steps, a tree verify): logits and greedy tokens those of one device
+    (the FP8 products are exact; only float32 summation order differs)."""
+    from .multidevice import run_in_subprocess
+
+    a = run_in_subprocess(checkpoints["ct_tensor"], str(tmp_path / "run.npz"), (1, 2), seed=3,
+                          devices=2, decode_steps=2)
+    keys = sorted(k.split("/", 1)[1] for k in a if k.startswith("tp1/")
+                  and k.split("/", 1)[1].startswith(("prefill", "decode", "tree")))
+    assert {"prefill", "decode1", "tree"} <= set(keys)
+    for key in keys:
+        ref, got = a[f"tp1/{key}"], a[f"tp2/{key}"]
+        assert np.all(np.isfinite(ref)) and np.std(ref) > 0.1, key
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=key)
+    np.testing.assert_array_equal(a["tp2/greedy"], a["tp1/greedy"])
