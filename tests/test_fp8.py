@@ -393,8 +393,10 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(checkpoints, tmp_
 
 
 # ------------------------------------------------------------------------- engines
+# precompile=False: only the executables the requests use are compiled (CPU compiles
+# dominate these tests).
 ENGINE = dict(dtype="float32", max_model_len=96, max_num_seqs=4, batch_buckets=(4,),
-              prefill_buckets=(32,), compilation_cache_dir="", num_steps=3)
+              prefill_buckets=(32,), compilation_cache_dir="", num_steps=3, precompile=False)
 
 
 @pytest.fixture(scope="module")
@@ -477,7 +479,8 @@ def test_default_pair_in_fp8_agrees_with_float32():
     with open(os.path.join(DEFAULT_DIR, "heldout_prompts.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f][4:8]
     small = dict(dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=(4,),
-                 prefill_buckets=(128,), compilation_cache_dir="", num_steps=5)
+                 prefill_buckets=(128,), compilation_cache_dir="", num_steps=5,
+                 precompile=False)
     runs = {}
     for name, quantization in (("float32", None), ("fp8", "fp8")):
         engine = Engine(EngineConfig(model=DEFAULT_TARGET, draft_model=DEFAULT_DRAFT,
@@ -552,3 +555,28 @@ def test_fp8_tensor_parallel_2_equals_1(checkpoints, tmp_path):
         assert np.all(np.isfinite(ref)) and np.std(ref) > 0.1, key
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=key)
     np.testing.assert_array_equal(a["tp2/greedy"], a["tp1/greedy"])
+
+
+def test_ignored_modules_stay_float(checkpoints, tmp_path):
+    """compressed-tensors' ``ignore`` (names and "re:" patterns): an ignored projection
+    loads its float tensor unquantized; ignoring only some of a fused projection's parts
+    is refused, naming them."""
+    down = "model.layers.1.mlp.down_proj"
+    float_down = CheckpointReader(checkpoints["float"]).get(down + ".weight")
+
+    def keep_float(tensors):
+        tensors[down + ".weight"] = np.asarray(float_down)
+        del tensors[down + ".weight_scale"]
+
+    qc = _ct_config("FP8_DYNAMIC")
+    qc["ignore"] = ["lm_head", r"re:.*layers\.1\.mlp\.down_proj"]
+    model = load_decoder(_write_fp8(checkpoints["float"], str(tmp_path / "a"), qc,
+                                    edit=keep_float))
+    assert model.layers[1].mlp.down_proj.quant is None
+    np.testing.assert_array_equal(np.asarray(model.layers[1].mlp.down_proj.weight[...]),
+                                  float_down)
+    assert model.layers[0].mlp.down_proj.weight.dtype == FN
+    qc["ignore"] = ["lm_head", "model.layers.0.self_attn.q_proj"]
+    with pytest.raises(ValueError, match=r"quantizes some of model\.layers\.0\.self_attn\."
+                                         r"\{q_proj, k_proj, v_proj\} only"):
+        load_decoder(_write_fp8(checkpoints["float"], str(tmp_path / "b"), qc))
