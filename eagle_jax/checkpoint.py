@@ -26,7 +26,7 @@ from eagle_jax.params import module_param_paths, put
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
+    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 _NP_TO_SAFETENSORS = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -63,6 +63,10 @@ class SafetensorsFile:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype code ("BF16", "F8_E4M3", ...)."""
+        return self.header[name]["dtype"]
 
     def get(self, name: str) -> np.ndarray:
         info = self.header[name]
@@ -134,6 +138,9 @@ class CheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._files[self._where[name]].shape(name)
+
+    def dtype(self, name: str) -> str:
+        return self._files[self._where[name]].dtype(name)
 
     def get(self, name: str, expected_shape: tuple[int, ...] | None = None) -> np.ndarray:
         if name not in self._where:
@@ -238,10 +245,18 @@ def _part_names(path: tuple, var: nnx.Param, name_of: Callable[[tuple], str]):
     return [(name_of(path[:-2] + (part,) + path[-1:]), rows) for part, rows in parts]
 
 
+def keeps_dtype(var: nnx.Param) -> bool:
+    """Whether a parameter keeps its own dtype on load and save (an FP8 weight and its
+    float32 scales, ``models.layers``) instead of taking the model's."""
+    return getattr(var, "checkpoint_keeps_dtype", False)
+
+
 def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[tuple], str],
               dtype, *, optional: Iterable[str] = (),
-              shardings: dict[tuple, jax.sharding.Sharding] | None = None) -> None:
-    """Fills every parameter of ``module`` from the checkpoint, cast to ``dtype``.
+              shardings: dict[tuple, jax.sharding.Sharding] | None = None,
+              read: Callable | None = None) -> None:
+    """Fills every parameter of ``module`` from the checkpoint, cast to ``dtype`` (a
+    parameter that keeps its dtype, ``keeps_dtype``, is read as it is).
 
     ``shardings`` (parameter path -> sharding; tensor parallelism): each tensor goes from
     the host straight to its devices, each device receiving only its shard, so a model
@@ -252,6 +267,9 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
     of its parts' tensors, rows reordered shard by shard when it is tensor-parallel
     (``fused_row_order``). The expected shape is each part's checkpoint rows; a missing
     tensor or a shape mismatch raises a CheckpointError naming the file, tensor and shape.
+    ``read(name, expected_shape, var)`` reads one tensor (default ``reader.get``; FP8
+    models: ``fp8_checkpoint.Fp8Loader.read``). A float8 tensor read into a parameter
+    that is not FP8 is an error (its scales would be lost).
     """
     optional = set(optional)
     for path, var in module_param_paths(module):
@@ -259,26 +277,36 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
         if len(parts) == 1 and parts[0][0] in optional and parts[0][0] not in reader:
             continue
         arrays = [reader.get(name, expected_shape=(rows,) + tuple(var.shape[1:]))
+                  if read is None else read(name, (rows,) + tuple(var.shape[1:]), var)
                   for name, rows in parts]
+        for (name, _), arr in zip(parts, arrays):
+            if arr.dtype.itemsize == 1 and arr.dtype.kind == "V" and not keeps_dtype(var):
+                raise CheckpointError(
+                    f"{reader.file_of(name)}: tensor {name!r} is {arr.dtype}; eagle_jax reads "
+                    "FP8 tensors only as the decoder layers' projections of a checkpoint "
+                    "whose config.json declares an FP8 quantization_config "
+                    "(compressed-tensors or fbgemm_fp8) with their scales")
         arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
         shards, replicas = _shard_layout(var)
         if shards > 1:
             arr = arr[fused_row_order(tuple(rows for _, rows in parts), shards, replicas)]
+        cast = var.dtype if keeps_dtype(var) else dtype
         if shardings is None:
-            var.set_value(jnp.asarray(arr, dtype=dtype))
+            var.set_value(jnp.asarray(arr, dtype=cast))
         else:
-            var.set_value(put(arr.astype(dtype), shardings[path]))
+            var.set_value(put(arr.astype(cast), shardings[path]))
 
 
 def module_tensors(module: nnx.Module, name_of: Callable[[tuple], str],
                    dtype=None) -> dict[str, np.ndarray]:
     """Checkpoint-named numpy copies of every parameter of ``module`` (fused parameters
     split back into their parts, in the checkpoint's row order; of a replicated kv head
-    the first copy is written)."""
+    the first copy is written), cast to ``dtype`` but those that keep theirs (FP8:
+    ``fp8_checkpoint.checkpoint_layout`` turns them into a checkpoint's)."""
     out = {}
     for path, var in module_param_paths(module):
         arr = np.asarray(jax.device_get(var[...]))
-        arr = arr if dtype is None else arr.astype(dtype)
+        arr = arr if dtype is None or keeps_dtype(var) else arr.astype(dtype)
         names = _part_names(path, var, name_of)
         shards, replicas = _shard_layout(var)
         if shards > 1:

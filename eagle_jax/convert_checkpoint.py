@@ -27,7 +27,8 @@ Refused, each with a message naming the file and the thing refused:
   state, a step counter, nested dicts): only the tensors of a model convert; save
   ``model.state_dict()``;
 * the pre-1.6 torch format and TorchScript archives: not a ``torch.save`` zip of tensors;
-* dtypes the safetensors writer does not hold (complex, quantized, float8);
+* storage dtypes it does not read (complex, quantized, float8: an FP8 checkpoint is
+  published as safetensors already);
 * tensors with backward hooks or python state;
 * an index that disagrees with its shards (a listed shard or tensor missing, or a shard
   holding tensors the index does not list);

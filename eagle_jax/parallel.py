@@ -8,6 +8,11 @@ The model is written once, for one device; tensor parallelism is a ``Mesh`` (axi
     vocab-parallel   embed_tokens, lm_head    weight [V, H] rows on "tp" (when N divides V)
     replicated       norms, q/k norms, anything else
 
+An FP8 projection's ``weight_scale`` [out] shards as its weight's output axis (with a
+column-parallel weight's rows; replicated beside a row-parallel one), its static
+``input_scale`` is replicated; a row-parallel layer's per-token activation scale is a
+maximum over the sharded input axis, which XLA reduces across the devices.
+
 XLA's SPMD partitioner derives the rest from these: every matmul runs on the local shard,
 the row-parallel outputs (o_proj, down_proj) take one all-reduce each, the embedding a
 masked gather and the LM head vocabulary-sharded logits. The only code that sees shards is
@@ -44,6 +49,10 @@ TP_AXIS = "tp"
 COLUMN_PARALLEL = ("qkv_proj", "gate_up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+# An FP8 layer's static activation scales (one per checkpoint tensor) are replicated; its
+# ``weight_scale`` [out] follows the weight's output axis (split with a column-parallel
+# weight's rows, whole beside a row-parallel one's).
+REPLICATED_NAMES = ("input_scale",)
 
 # A KV pool layer [num_pages, page_size, kv_heads, head_dim]: kv heads on "tp".
 KV_PAGES_SPEC = P(None, None, TP_AXIS, None)
@@ -172,6 +181,8 @@ def param_spec(path: tuple, shape: tuple[int, ...], tp: int) -> P:
     (it costs memory, not correctness): an uneven split would pad every shard.
     """
     module, name = (str(path[-2]), str(path[-1])) if len(path) >= 2 else ("", "")
+    if name in REPLICATED_NAMES:
+        return P()
     if module in COLUMN_PARALLEL:
         return P(TP_AXIS, *([None] * (len(shape) - 1)))
     if module in ROW_PARALLEL and name == "weight":

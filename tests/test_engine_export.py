@@ -97,3 +97,32 @@ def test_prefill_exports_with_triton_kernels(engine, platform, target):
                    target).mlir_module()
     for name in ("paged_attention", "rmsnorm_concat", "gathered_lm_head"):
         assert name in text, name
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(checkpoints):
+    return _engine(checkpoints, quantization="fp8")
+
+
+@pytest.mark.parametrize("target, fp8, mlir", [("gfx950", "float8_e4m3fn", "f8E4M3FN>"),
+                                              ("gfx942", "float8_e4m3fnuz", "f8E4M3FNUZ>")])
+def test_fp8_step_exports_for_rocm(fp8_engine, target, fp8, mlir):
+    """The step over an FP8 target (``quantization="fp8"``), its weights in the format
+    of that GPU (e4m3fnuz on gfx942, the CPU engine's e4m3fn otherwise): the module's
+    projections are XLA FP8 dots on operands of that format, beside the Triton kernels."""
+    import jax
+
+    engine = fp8_engine
+    args = list(engine.runner.step_inputs())
+    args[0] = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, fp8) if x.dtype.itemsize == 1 and
+        x.dtype.kind == "V" else x, args[0])
+    text = _export(engine.runner.step_function(4), tuple(args), (2,), "rocm",
+                   target).mlir_module()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    fp8_dots = [line for line in dots if mlir in line]
+    # q/k/v, o, gate/up and down of each of the 4 layers, in the verify forward at least.
+    assert len(fp8_dots) >= 4 * 4, len(fp8_dots)
+    other = "f8E4M3FNUZ>" if mlir == "f8E4M3FN>" else "f8E4M3FN>"
+    assert not any(other in line for line in dots)
+    assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") >= 3 + 2 + 3 + 1

@@ -10,6 +10,7 @@ ALGORITHMS = ("EAGLE", "EAGLE3", "NONE")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
 TREE_VERIFY_METHODS = ("traversal", "recursive_rejection", "target_only")
+QUANTIZATIONS = ("fp8",)
 DEFAULT_TREE_TOKENS = 32
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -87,6 +88,14 @@ class EngineConfig:
         (checked when the engine loads the target).
       dtype: parameter and activation dtype ("bfloat16" or "float32"); None = the
         backend's default (float32 on a CPU, bfloat16 on a GPU).
+      quantization: "fp8" quantizes a float target's decoder-layer projections to FP8
+        while loading (per-channel e4m3 weights, per-token activations; ``eagle_jax.fp8``).
+        A checkpoint whose config.json has an FP8 quantization_config (compressed-tensors,
+        fbgemm_fp8) loads in FP8 whatever this says. The e4m3 format follows the device
+        (e4m3fnuz on gfx942, e4m3fn elsewhere); the embedding, the LM head, the norms and
+        the KV cache stay in ``dtype``.
+      draft_quantization: "fp8" quantizes the draft's linear layers (its LM head
+        excepted) on the fly as well; None keeps the draft in ``dtype``.
       precompile: compile every bucket at start (with a progress bar).
       precompile_logprobs: with precompile, also compile every bucket's logprobs
         variant at start. Otherwise the first request that asks for logprobs (as
@@ -132,6 +141,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     dtype: str | None = None
+    quantization: str | None = None
+    draft_quantization: str | None = None
     seed: int = 0
     precompile: bool = True
     precompile_logprobs: bool = False
@@ -233,6 +244,13 @@ class EngineConfig:
         if self.precompile_logprobs and not self.precompile:
             raise ValueError("precompile_logprobs compiles at start, which precompile=False "
                              "turns off: drop one of the two")
+        for name in ("quantization", "draft_quantization"):
+            if getattr(self, name) not in (None, *QUANTIZATIONS):
+                raise ValueError(f"{name} must be one of {QUANTIZATIONS} or None (the "
+                                 f"checkpoint's own), got {getattr(self, name)!r}")
+        if self.draft_quantization is not None and not self.speculative:
+            raise ValueError("draft_quantization quantizes the draft, and "
+                             "speculative_algorithm NONE runs none: drop one of the two")
         for name, one in (("tensor_parallel_size", "device"), ("data_parallel_size", "engine")):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:

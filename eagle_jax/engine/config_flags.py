@@ -9,7 +9,7 @@ import dataclasses
 
 from eagle_jax.argtypes import int_tuple, positive_int
 from eagle_jax.engine.config import (
-    ALGORITHMS, DRAFT_SAMPLE_METHODS, SPECULATIVE_POLICIES, TREE_VERIFY_METHODS)
+    ALGORITHMS, DRAFT_SAMPLE_METHODS, QUANTIZATIONS, SPECULATIVE_POLICIES, TREE_VERIFY_METHODS)
 
 
 def add_cli_args(cls, parser: argparse.ArgumentParser, *,
@@ -169,6 +169,14 @@ CLI_FLAGS = (
     CliFlag("--dtype", "dtype", "parameter and activation dtype",
             dict(choices=["bfloat16", "float32"]),
             default_help="default: float32 on a CPU, bfloat16 on a GPU"),
+    CliFlag("--quantization", "quantization",
+            "fp8: the target's linear layers in FP8, quantized while loading (per-channel "
+            "weights, per-token activations); an FP8 checkpoint (compressed-tensors, "
+            "fbgemm_fp8) loads in FP8 without it", dict(choices=list(QUANTIZATIONS)),
+            default_help="default: the checkpoint's own"),
+    CliFlag("--draft-quantization", "draft_quantization",
+            "fp8: the draft's linear layers in FP8 too (its LM head excepted)",
+            dict(choices=list(QUANTIZATIONS)), default_help="default: the draft in --dtype"),
     CliFlag("--kv-cache-memory", "kv_cache_memory", "KV pool bytes", dict(type=positive_int)),
     CliFlag("--kv-cache-memory-fraction", "kv_cache_memory_fraction",
             "or this share of the free device memory", dict(type=float),

@@ -36,7 +36,10 @@ from eagle_jax.engine.plans import PrefillPlan, StepPlan
 from eagle_jax.engine.state import (
     MAX_DRAFT_LAG, SLOT_FIELDS, DecodeState, PrefillChunks, PrefillOutput, SlotUpdates,
     StepOutput, slot_fields, token_logprobs, update_slots)
+from eagle_jax.fp8 import fp8_dtype
+from eagle_jax.fp8_checkpoint import on_the_fly_spec
 from eagle_jax.models.decoder import Decoder, load_decoder
+from eagle_jax.models.layers import quantize_linears
 from eagle_jax.sampling import SamplingRows
 
 logger = logging.getLogger("eagle_jax.engine")
@@ -138,11 +141,18 @@ class ModelRunner:
         config = self.config
         with jax.default_device(self.device):
             if target is None:
-                target = load_decoder(config.model, self.dtype, mesh=self.mesh)
+                target = load_decoder(config.model, self.dtype, mesh=self.mesh,
+                                      quantization=config.quantization)
             if config.speculative and draft is None:
                 from eagle_jax.models.draft_checkpoint import load_draft
 
                 draft = load_draft(config.draft_model, target, self.dtype)
+                if config.draft_quantization == "fp8":
+                    quantize_linears(draft, on_the_fly_spec(fp8_dtype(self.devices[0])))
+        if target.quant is not None:
+            logger.info("engine: the target in FP8: %s", target.quant.describe())
+        if config.draft_quantization is not None and draft is not None:
+            logger.info("engine: the draft's linear layers in FP8, quantized while loading")
         if self.mesh is not None and draft is not None:
             parallel.place(draft, NamedSharding(self.mesh, P()))
         if self.device is not None:
@@ -164,7 +174,7 @@ class ModelRunner:
         settings = {f.name: getattr(self.config, f.name)
                     for f in dataclasses.fields(self.config) if f.name not in unshaping}
         draft = self.draft
-        return repr((settings, type(self.target).__name__, self.model_config,
+        return repr((settings, type(self.target).__name__, self.model_config, self.target.quant,
                      None if draft is None else (type(draft).__name__, draft.config,
                                                  draft.feature_layers),
                      self.vocab_size, str(self.dtype)))

@@ -20,7 +20,10 @@ from flax import nnx
 
 from eagle_jax import parallel
 from eagle_jax.checkpoint import CheckpointReader, dotted, load_into, module_tensors, save_sharded
-from eagle_jax.config import ModelConfig, resolve_dtype
+from eagle_jax.config import ModelConfig, read_json, resolve_dtype
+from eagle_jax.fp8 import Fp8Spec, fp8_dtype
+from eagle_jax.fp8_checkpoint import (
+    Fp8Loader, checkpoint_layout, on_the_fly_spec, quantization_config, spec_from_config)
 from eagle_jax.models.layers import (
     MLP,
     Attention,
@@ -50,15 +53,18 @@ class DecoderOutput(NamedTuple):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, mesh=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, mesh=None, quant: Fp8Spec | None = None,
+                 prefix: str = "", rngs: nnx.Rngs):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(
             h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attention_bias,
-            qk_norm=cfg.qk_norm, norm_eps=cfg.rms_norm_eps, dtype=dtype, mesh=mesh, rngs=rngs)
+            qk_norm=cfg.qk_norm, norm_eps=cfg.rms_norm_eps, dtype=dtype, mesh=mesh,
+            quant=quant, prefix=prefix + "self_attn.", rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype,
-                       shards=parallel.tensor_parallel_size(mesh), rngs=rngs)
+                       shards=parallel.tensor_parallel_size(mesh), quant=quant,
+                       prefix=prefix + "mlp.", rngs=rngs)
 
     def __call__(self, x, positions, cache: KVCache | None, layer: int, inv_freq,
                  batch: AttentionBatch | None):
@@ -79,16 +85,22 @@ class Decoder(nnx.Module):
     mesh's "tp" devices: fused projections laid out shard by shard, the attention kernel
     per shard, pools from ``init_pages`` / ``init_cache`` sharded by kv head. The
     parameters are placed by ``parallel.shard_params`` (``load_decoder`` does it).
+
+    ``quant`` (``eagle_jax.fp8.Fp8Spec``): the decoder layers' projections in FP8 (those
+    the spec does not ignore); the embedding and the LM head stay in ``dtype``.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, mesh=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, mesh=None,
+                 quant: Fp8Spec | None = None, rngs: nnx.Rngs):
         if mesh is not None:
             parallel.check_tensor_parallel(cfg, parallel.tensor_parallel_size(mesh))
         self.config = cfg
         self.mesh = mesh
+        self.quant = quant
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, mesh=mesh, rngs=rngs)
-                                for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, mesh=mesh, quant=quant,
+                                             prefix=f"model.layers.{i}.", rngs=rngs)
+                                for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs))
@@ -173,19 +185,37 @@ def checkpoint_name(path: tuple) -> str:
     return name if path[0] == "lm_head" else f"model.{name}"
 
 
-def load_decoder(model_dir: str, dtype="float32", *, mesh=None) -> Decoder:
+def load_decoder(model_dir: str, dtype="float32", *, mesh=None,
+                 quantization: str | None = None) -> Decoder:
     """Builds the decoder described by ``model_dir/config.json`` from its safetensors;
     with ``mesh``, tensor-parallel over it, each parameter sent from the host to its
     devices shard by shard (``param_shardings``).
 
+    FP8 (``eagle_jax.fp8``): a checkpoint whose config.json has an FP8
+    ``quantization_config`` (compressed-tensors, fbgemm_fp8) loads with its FP8 weights
+    and scales; ``quantization="fp8"`` quantizes a float checkpoint's projections while
+    loading (on the host, each tensor before it is sent). The weights take the device's
+    e4m3 format (``fp8.fp8_dtype``: fnuz on gfx942, its scales doubled).
+
     Raises CheckpointError naming the file, tensor and expected shape on any mismatch.
     """
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     cfg = ModelConfig.from_dir(model_dir)
     dtype = resolve_dtype(dtype)
     reader = CheckpointReader(model_dir)
-    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, mesh=mesh, rngs=nnx.Rngs(0)))
+    source = os.path.join(model_dir, "config.json")
+    fp8 = fp8_dtype(None if mesh is None else mesh.devices.flat[0])
+    quant = spec_from_config(read_json(source), source, fp8)
+    loader = None
+    if quant is not None or quantization == "fp8":
+        loader = Fp8Loader(reader, quant or on_the_fly_spec(fp8), quantize=quant is None)
+        quant = loader.spec
+    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, mesh=mesh, quant=quant,
+                                           rngs=nnx.Rngs(0)))
     load_into(model, reader, checkpoint_name, dtype,
-              shardings=None if mesh is None else parallel.param_shardings(model, mesh))
+              shardings=None if mesh is None else parallel.param_shardings(model, mesh),
+              read=None if loader is None else loader.read)
     return model
 
 
@@ -193,12 +223,18 @@ def save_decoder(model: Decoder, model_dir: str, hf_config: dict, dtype=None, *,
                  max_shard_bytes: int | None = None) -> None:
     """Writes config.json and safetensors shards that transformers loads.
 
-    ``max_shard_bytes`` bounds each shard (default: ``save_sharded``'s 5 GiB).
+    ``max_shard_bytes`` bounds each shard (default: ``save_sharded``'s 5 GiB). An FP8
+    model is written in the layout it was loaded from (``fp8_checkpoint``: its
+    ``quantization_config``, e4m3fn weights and their scales; compressed-tensors for
+    one quantized on the fly); ``dtype`` then casts the other tensors.
     """
     os.makedirs(model_dir, exist_ok=True)
+    tensors = module_tensors(model, checkpoint_name, dtype)
+    if model.quant is not None:
+        hf_config = dict(hf_config, quantization_config=quantization_config(model.quant))
+        tensors = checkpoint_layout(tensors, model.quant)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    tensors = module_tensors(model, checkpoint_name, dtype)
     if max_shard_bytes is None:
         save_sharded(model_dir, tensors)
     else:

@@ -138,7 +138,8 @@ class _DraftBase(nnx.Module):
 
     @property
     def dtype(self):
-        return self.fc.weight.dtype
+        """The activations' dtype (the fc layer's, FP8 weights or not)."""
+        return self.fc.dtype
 
     @property
     def inv_freq(self) -> Array:

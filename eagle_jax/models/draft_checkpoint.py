@@ -234,6 +234,9 @@ def save_draft(draft: Draft, out_dir: str, dtype=None, *, checkpoint_format: str
     class; ``load_draft`` also accepts the plain ``LlamaForCausalLM`` of the originals).
     """
     cfg = draft.config
+    if any(getattr(m, "quant", None) is not None for _, m in nnx.iter_graph(draft)):
+        raise ValueError("this draft's linear layers were quantized to FP8 on the fly "
+                         "(draft_quantization); save the float draft it was loaded from")
     if checkpoint_format is not None:
         cfg = dataclasses.replace(cfg, checkpoint_format=checkpoint_format)
     if verifier is not None:

@@ -24,6 +24,7 @@ from flax import nnx
 from eagle_jax import parallel
 from eagle_jax.checkpoint import fused_row_order
 from eagle_jax.config import RopeScaling
+from eagle_jax.fp8 import Fp8Spec, device_scale, device_weight, fp8_linear, quantize_weight
 from eagle_jax.kernels.paged_attention import paged_attention
 
 Array = jax.Array
@@ -33,21 +34,72 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
 
 
+def _fp8_params(module: nnx.Module, out_features: int, in_features: int,
+                quant: Fp8Spec, meta: dict, num_parts: int = 1) -> None:
+    """An FP8 layer's parameters (``eagle_jax.fp8``): ``weight`` [out, in] in the spec's
+    e4m3, ``weight_scale`` [out] float32 (laid out, sharded and split like the weight's
+    rows: ``meta``) and, for static activations, ``input_scale`` [parts] float32 (one per
+    checkpoint tensor; the largest is used). Loaders fill them (``checkpoint``)."""
+    parts = meta.get("checkpoint_parts")
+    keep = dict(checkpoint_keeps_dtype=True)
+    module.weight = nnx.Param(jnp.zeros((out_features, in_features), quant.np_dtype),
+                              **meta, **keep)
+    module.weight_scale = nnx.Param(jnp.ones((out_features,), jnp.float32), **meta, **keep)
+    scale_meta = {} if parts is None else dict(checkpoint_parts=tuple((n, 1) for n, _ in parts))
+    module.input_scale = (nnx.Param(jnp.ones((num_parts,), jnp.float32), **scale_meta, **keep)
+                          if quant.static else None)
+
+
+def module_quant(quant: Fp8Spec | None, prefix: str,
+                 names: tuple[str, ...]) -> Fp8Spec | None:
+    """``quant`` for the projection made of the Hugging Face modules ``prefix + name``
+    (one fused GEMM: all or none quantized), None where the spec ignores them. Raises
+    ValueError when the spec quantizes some of a fused projection's parts only."""
+    if quant is None:
+        return None
+    chosen = {quant.quantizes(prefix + name) for name in names}
+    if len(chosen) > 1:
+        raise ValueError(f"the quantization config quantizes some of {prefix}{{"
+                         f"{', '.join(names)}}} only; eagle_jax runs them as one GEMM: "
+                         "quantize all of them or none")
+    return quant if chosen.pop() else None
+
+
+def _project(module: nnx.Module, x: Array) -> Array:
+    """x [..., in] @ weight.T (+ bias) -> [..., out] in the layer's dtype: XLA's FP8 dot
+    for a quantized layer, else a plain matmul in the weight's dtype."""
+    if module.quant is None:
+        w = module.weight[...]
+        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+    else:
+        input_scale = None if module.input_scale is None else jnp.max(module.input_scale[...])
+        y = fp8_linear(x, module.weight[...], module.weight_scale[...], input_scale,
+                       module.quant.activation_scale_ub, out_dtype=module.dtype)
+    if module.bias is not None:
+        y = y + module.bias[...]
+    return y
+
+
 class Linear(nnx.Module):
-    """y = x @ W.T (+ b), W: [out, in] (the Hugging Face layout)."""
+    """y = x @ W.T (+ b), W: [out, in] (the Hugging Face layout).
+
+    ``quant`` (``eagle_jax.fp8.Fp8Spec``): W in FP8 with per-row scales, x quantized per
+    token (or by the checkpoint's static scale), the product XLA's FP8 dot; the output
+    and the bias stay in ``dtype``."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
-        self.weight = _normal(rngs, (out_features, in_features), dtype)
+                 dtype=jnp.float32, quant: Fp8Spec | None = None, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.quant = quant
+        if quant is None:
+            self.weight = _normal(rngs, (out_features, in_features), dtype)
+        else:
+            _fp8_params(self, out_features, in_features, quant, {})
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
     def __call__(self, x: Array) -> Array:
-        """x: [..., in] -> [..., out] in x's dtype."""
-        w = self.weight[...]
-        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
+        """x: [..., in] -> [..., out] in the layer's dtype."""
+        return _project(self, x)
 
 
 class FusedLinear(nnx.Module):
@@ -65,11 +117,15 @@ class FusedLinear(nnx.Module):
     local. ``replicas[i]`` > 1 stores part i that many times over (a kv head shared by
     several devices), giving it ``rows * replicas[i]`` rows. shards = 1 is the plain
     concatenation. The checkpoint keeps the per-part tensors either way.
+
+    ``quant``: FP8 as ``Linear``'s; the weight scales are rows like the weight's (same
+    layout, same shards), so the parts stay one FP8 GEMM.
     """
 
     def __init__(self, in_features: int, parts: tuple[tuple[str, int], ...], *,
                  shards: int = 1, replicas: tuple[int, ...] | None = None,
-                 bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+                 bias: bool = False, dtype=jnp.float32, quant: Fp8Spec | None = None,
+                 rngs: nnx.Rngs):
         rows = tuple(n for _, n in parts)
         replicas = tuple(replicas or (1,) * len(parts))
         self.sizes = tuple(n * r for n, r in zip(rows, replicas))
@@ -79,26 +135,55 @@ class FusedLinear(nnx.Module):
                     f"{name}: {n} rows stored {r} time(s) cannot be split over {shards} "
                     f"shards; use a shard count that divides the rows")
         self.shards = shards
+        self.dtype = dtype
+        self.quant = quant
         meta = dict(checkpoint_parts=parts, checkpoint_shards=shards,
                     checkpoint_replicas=replicas)
-        # Drawn in the checkpoint's layout and then reordered: the same seed gives the
-        # same model at every shard count.
-        order = None if shards == 1 else fused_row_order(rows, shards, replicas)
-        w = _normal(rngs, (sum(rows), in_features), dtype)[...]
-        self.weight = nnx.Param(w if order is None else w[order], **meta)
+        if quant is None:
+            # Drawn in the checkpoint's layout and then reordered: the same seed gives the
+            # same model at every shard count.
+            order = None if shards == 1 else fused_row_order(rows, shards, replicas)
+            w = _normal(rngs, (sum(rows), in_features), dtype)[...]
+            self.weight = nnx.Param(w if order is None else w[order], **meta)
+        else:
+            _fp8_params(self, sum(self.sizes), in_features, quant, meta, len(parts))
         self.bias = (nnx.Param(jnp.zeros((sum(self.sizes),), dtype), **meta)
                      if bias else None)
 
     def __call__(self, x: Array) -> tuple[Array, ...]:
-        """x: [..., in] -> one [..., rows_i] per part, in x's dtype."""
-        w = self.weight[...]
-        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
-        if self.bias is not None:
-            y = y + self.bias[...]
+        """x: [..., in] -> one [..., rows_i] per part, in the layer's dtype."""
+        y = _project(self, x)
         per_shard = [n // self.shards for n in self.sizes]
         bounds = [sum(per_shard[:i + 1]) for i in range(len(per_shard) - 1)]
         y = y.reshape(*y.shape[:-1], self.shards, sum(per_shard))  # [..., shards, block]
         return tuple(p.reshape(*p.shape[:-2], -1) for p in jnp.split(y, bounds, axis=-1))
+
+
+def quantize_linears(module: nnx.Module, quant: Fp8Spec,
+                     skip: tuple[str, ...] = ("lm_head",)) -> nnx.Module:
+    """Every float ``Linear`` / ``FusedLinear`` of a loaded ``module`` (in place; returns
+    it) made FP8 on the fly: per-row weight scales (``fp8.quantize_weight``, in the
+    spec's format), per-token activations; the modules named in ``skip`` (the LM head,
+    which the drafts read whole) stay as they are. The new parameters go where the
+    weight was, which must be whole on each of its devices (a draft: replicated)."""
+    chosen = [m for path, m in nnx.iter_graph(module)
+              if isinstance(m, (Linear, FusedLinear)) and m.quant is None
+              and not (path and str(path[-1]) in skip)]
+    for m in chosen:
+        w = m.weight[...]
+        if not w.sharding.is_fully_replicated:
+            raise ValueError("quantize_linears needs whole weights on each device; a "
+                             "tensor-parallel model quantizes while loading "
+                             "(load_decoder(quantization='fp8'))")
+        q, scale = quantize_weight(jax.device_get(w))
+        meta = {k: v for k, v in m.weight.get_metadata().items() if k.startswith("checkpoint_")}
+        meta["checkpoint_keeps_dtype"] = True
+        m.weight = nnx.Param(jax.device_put(device_weight(q, quant.dtype), w.sharding), **meta)
+        m.weight_scale = nnx.Param(jax.device_put(device_scale(scale, quant.dtype), w.sharding),
+                                   **meta)
+        m.input_scale = None
+        m.quant = quant
+    return module
 
 
 class Embedding(nnx.Module):
@@ -350,6 +435,9 @@ class Attention(nnx.Module):
     input is concat(norm(embeds), norm(hidden)) of width 2H. q, k and v are one GEMM
     (``qkv_proj``; the checkpoint keeps ``q_proj`` / ``k_proj`` / ``v_proj``).
 
+    ``quant``: FP8 projections (``Linear``), those of the Hugging Face modules under
+    ``prefix`` that the spec does not ignore.
+
     ``mesh`` (tensor parallelism, ``eagle_jax.parallel``): ``qkv_proj`` is laid out shard
     by shard over the mesh's "tp" devices, kv heads replicated when the devices outnumber
     them (``num_kv_heads`` is then the pool's count, tp, not the checkpoint's), and the
@@ -362,7 +450,8 @@ class Attention(nnx.Module):
 
     def __init__(self, in_features: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, *, bias: bool = False, qk_norm: bool = False,
-                 norm_eps: float = 1e-6, dtype=jnp.float32, mesh=None, rngs: nnx.Rngs):
+                 norm_eps: float = 1e-6, dtype=jnp.float32, mesh=None,
+                 quant: Fp8Spec | None = None, prefix: str = "", rngs: nnx.Rngs):
         tp = parallel.tensor_parallel_size(mesh)
         parallel.check_heads(num_heads, num_kv_heads, tp)
         kv_rep = parallel.kv_replicas(num_kv_heads, tp)
@@ -372,8 +461,10 @@ class Attention(nnx.Module):
         self.qkv_proj = FusedLinear(
             in_features, (("q_proj", num_heads * head_dim), ("k_proj", num_kv_heads * head_dim),
                           ("v_proj", num_kv_heads * head_dim)),
-            shards=tp, replicas=(1, kv_rep, kv_rep), bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, dtype=dtype, rngs=rngs)
+            shards=tp, replicas=(1, kv_rep, kv_rep), bias=bias, dtype=dtype,
+            quant=module_quant(quant, prefix, ("q_proj", "k_proj", "v_proj")), rngs=rngs)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, dtype=dtype,
+                             quant=module_quant(quant, prefix, ("o_proj",)), rngs=rngs)
         self.q_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps, dtype=dtype) if qk_norm else None
 
@@ -451,14 +542,18 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one GEMM
     (``gate_up_proj``; the checkpoint keeps ``gate_proj`` / ``up_proj``). ``shards``:
-    ``gate_up_proj``'s tensor-parallel layout (``FusedLinear``)."""
+    ``gate_up_proj``'s tensor-parallel layout (``FusedLinear``); ``quant`` / ``prefix``:
+    as ``Attention``'s."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype=jnp.float32,
-                 shards: int = 1, rngs: nnx.Rngs):
+                 shards: int = 1, quant: Fp8Spec | None = None, prefix: str = "",
+                 rngs: nnx.Rngs):
         self.gate_up_proj = FusedLinear(
             hidden_size, (("gate_proj", intermediate_size), ("up_proj", intermediate_size)),
-            shards=shards, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs)
+            shards=shards, dtype=dtype,
+            quant=module_quant(quant, prefix, ("gate_proj", "up_proj")), rngs=rngs)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype,
+                                quant=module_quant(quant, prefix, ("down_proj",)), rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
         gate, up = self.gate_up_proj(x)
