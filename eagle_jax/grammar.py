@@ -45,12 +45,12 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids):
         if tokenizer is None:
-            raise ValueError("structured output needs a tokenizer; this model directory has "
+            raise ValueError("structured_output: needs a tokenizer; this model directory has "
                              "none")
         self.vocab_size = int(vocab_size)
         self.stop_ids = sorted(int(i) for i in stop_ids)
         if not self.stop_ids:
-            raise ValueError("structured output needs an EOS token id (the grammar ends the "
+            raise ValueError("structured_output: needs an EOS token id (the grammar ends the "
                              "output with it); the model's config and tokenizer name none")
         xgr = _xgrammar()
         special = set(tokenizer.all_special_ids) | set(self.stop_ids)
@@ -100,7 +100,7 @@ class GrammarCompiler:
         except Exception as e:  # xgrammar raises RuntimeError / its own error types
             what = {"json": "JSON schema", "json_object": "JSON object grammar",
                     "regex": "regex", "choice": "choice", "grammar": "grammar"}[spec.kind]
-            raise ValueError(f"structured output: invalid {what}: {e}") from None
+            raise ValueError(f"structured_output: invalid {what}: {e}") from None
 
     def matcher(self, spec: StructuredOutput) -> "RequestGrammar":
         """A fresh matcher of ``spec`` (compiled, or taken from the cache)."""

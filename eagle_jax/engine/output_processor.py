@@ -39,13 +39,13 @@ class OutputProcessor:
         if self.structured_output_error is not None:
             raise ValueError(self.structured_output_error)
         if len(req.prompt) < 2:
-            raise ValueError("prompt: structured output needs a prompt of at least 2 tokens "
-                             "(its first token is sampled after the last prompt token, "
-                             "under the grammar's mask)")
+            raise ValueError("prompt must hold at least 2 tokens for structured output (its "
+                             "first token is sampled by a decode step after the last prompt "
+                             "token, under the grammar's mask)")
         if self._grammars is None:
             if self.tokenizer is None:
-                raise ValueError("structured output needs a tokenizer; this model directory "
-                                 "has none")
+                raise ValueError("structured_output: needs a tokenizer; this model "
+                                 "directory has none")
             self._grammars = GrammarCompiler(self.tokenizer,
                                              self.vocab_size or self.tokenizer.vocab_size,
                                              self.eos_ids)

@@ -80,7 +80,7 @@ class ModelRunner:
         # constrained rows of the step being dispatched (slot -> grammar.RequestGrammar).
         self.structured_output_error = (
             None if self.tree_topk == 1 else
-            "structured output is not supported with tree drafting (speculative_eagle_topk "
+            "structured_output: not supported with tree drafting (speculative_eagle_topk "
             f"{self.tree_topk} > 1): the tree's masks are not implemented; serve it with "
             "speculative_eagle_topk 1 (a chain)")
         self.grammar_rows: dict = {}
