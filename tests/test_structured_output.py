@@ -256,3 +256,66 @@ def test_server_fields_stream_and_bad_schemas(spec):
     for r, word in zip(bad_rs, ["JSON schema", "regex", "guided_json", "one structured"]):
         assert r.status_code == 400, r.text
         assert word in r.json()["error"]["message"], r.text
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-2-style Hugging Face tokenizer (``tokenizers``: BPE over "▁"-joined words
+    with byte fallback), trained on a few lines."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, trainers
+
+    from eagle_jax.tokenizer import Tokenizer
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=[f"<0x{b:02X}>" for b in range(256)], min_frequency=1)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 0123456789",
+                             "name: value, size: 42, ok: true"] * 20, trainer)
+    return Tokenizer(tok, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("which", ["default", "sentencepiece"])
+def test_grammar_masks_allow_exactly_the_structure(which, plain):
+    """With the default pair's byte-level BPE and with a SentencePiece-style Hugging Face
+    tokenizer: the tokens of a matching text are allowed one by one, EOS only at the
+    end, and a token that breaks the regex is not."""
+    tok = plain.tokenizer if which == "default" else _sentencepiece_tokenizer()
+    eos = tok.eos_token_ids
+    compiler = GrammarCompiler(tok, tok.vocab_size, eos)
+    # (A SentencePiece piece "▁the" is " the" wherever it is generated.)
+    spec = StructuredOutput("regex", r" ?the (quick|lazy) [a-z]+ 4[0-9]")
+    assert compiler.compile(spec) is compiler.compile(spec)  # cached by its spec
+    matcher = compiler.matcher(spec)
+    words = num_mask_words(tok.vocab_size)
+    ids = tok.encode("the lazy fox 42", add_special_tokens=False)
+
+    def allowed(token):
+        mask = fill_masks({0: matcher}, np.zeros((1, 0), np.int32), words)[0]
+        return bool((int(mask.view(np.uint32)[token // 32]) >> (token % 32)) & 1)
+
+    for i, t in enumerate(ids):
+        assert allowed(t) and not allowed(eos[0]), (i, t)
+        matcher.advance([t])
+    assert allowed(eos[0])
+    bad = tok.encode("the lazy fox 5", add_special_tokens=False)[-1]
+    assert not allowed(bad)
+
+
+def test_constraints_a_tree_engine_or_a_one_token_prompt_cannot_take(plain):
+    from eagle_jax.engine import Engine
+
+    params = SamplingParams(temperature=0, structured=CONSTRAINTS["digits"][0])
+    with pytest.raises(ValueError, match="prompt must hold at least 2 tokens"):
+        plain.engine.add_request("one", [5], params)
+    tree = Engine(EngineConfig(model=DEFAULT_TARGET, draft_model=DEFAULT_DRAFT,
+                               speculative_algorithm="EAGLE3", num_steps=2,
+                               speculative_eagle_topk=2, num_draft_tokens=4, **SMALL))
+    with pytest.raises(ValueError, match="tree drafting"):
+        tree.add_request("tree", [5, 6, 7], params)
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured=CONSTRAINTS["digits"][0])
