@@ -149,8 +149,7 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     state = apply_chunk_pages(apply_page_updates(state, page_updates), chunks)
     seq_len, last, rows, keys, active = slot_rows(state, batch)
     keys, sub = split_keys(keys, 3)
-    u_propose = uniforms(sub[:, 0], S)
-    u_accept = uniforms(sub[:, 1], S + 1)
+    u_propose, u_accept = uniforms(sub[:, 0], S), uniforms(sub[:, 1], S + 1)
     target_vocab = target.config.vocab_size
 
     # 1. Propose: S tokens, one draft forward per token after the first.
@@ -169,10 +168,8 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     hidden, aux, target_logits, chunk_hidden, chunk_aux, target_pages = _forward_with_chunks(
         target, state, verify_tokens, verify_pos, chunks, draft.feature_layers or ())
     features = aux if draft.feature_layers else hidden
-    # Verify position j masked by the grammar after d_1 .. d_j (logprobs stay the raw
-    # target's, as vLLM reports them).
-    verify_logits = (target_logits if masks is None else
-                     apply_token_bitmask(target_logits, masks))
+    # Verify position j masked by the grammar after d_1 .. d_j (logprobs: the raw target's).
+    verify_logits = target_logits if masks is None else apply_token_bitmask(target_logits, masks)
 
     # 3. Accept (Pallas sampler). A step that drafts nothing (S = 0, the adaptive
     # policy's plain step) samples the target's token as plain_step does.
