@@ -54,7 +54,7 @@ class GrammarCompiler:
                              "output with it); the model's config and tokenizer name none")
         xgr = _xgrammar()
         special = set(tokenizer.all_special_ids) | set(self.stop_ids)
-        if _is_byte_level(tokenizer):
+        if tokenizer.is_byte_level:
             vocab = [b"" if i in special else tokenizer.token_bytes(i)
                      for i in range(self.vocab_size)]
             kind, prefix_space = xgr.VocabType.RAW, False
@@ -105,12 +105,6 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutput) -> "RequestGrammar":
         """A fresh matcher of ``spec`` (compiled, or taken from the cache)."""
         return RequestGrammar(self.compile(spec), self.stop_ids, self.vocab_size)
-
-
-def _is_byte_level(tokenizer) -> bool:
-    decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
-    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
-    return "ByteLevel" in kinds
 
 
 class RequestGrammar:
