@@ -38,7 +38,7 @@ class StepKey:
     """A decode step: its batch bucket, whether it computes logprobs, the prompt-chunk
     lanes it carries (0: none), its draft length, and whether it masks its rows by their
     grammars (structured output: compiled on first use, never precompiled; its masks
-    come from the host while it runs, ``runner.grammar_masks``)."""
+    come from the host while it runs, ``grammar_masks.host_masks``)."""
 
     name: ClassVar[str] = "step"
     batch: int

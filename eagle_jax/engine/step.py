@@ -8,9 +8,9 @@ reads a device value back to the host.
 Structured output (``grammar``: the constrained variant of a step, None otherwise, so an
 unconstrained step is traced as before): ``grammar(drafted [B, n])`` is each row's token
 bitmask [B, W] after its n tokens drafted so far in this step (from the host's matchers,
-``runner.grammar_masks``). The draft proposes from its masked logits (its q is what it
-sampled from), and the target is masked at every verify position by the mask after the
-draft prefix before it, so the accepted output follows the target's distribution
+``grammar_masks.host_masks``). The draft proposes from its masked logits (its q is what
+it sampled from), and the target is masked at every verify position by the mask after
+the draft prefix before it, so the accepted output follows the target's distribution
 renormalised over the tokens the grammar allows, whatever the draft proposes; greedy
 rows take the allowed argmax, as the masked plain step does.
 
