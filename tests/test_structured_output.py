@@ -336,3 +336,27 @@ def test_constraints_a_tree_engine_or_a_one_token_prompt_cannot_take(plain):
         tree.add_request("tree", [5, 6, 7], params)
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured=CONSTRAINTS["digits"][0])
+
+
+def test_wire_fields_read_into_one_constraint():
+    from eagle_jax.server.structured import StructuredOutputError, structured_output
+
+    none = {"json": None, "regex": None, "choice": None, "grammar": None}
+    schema = {"type": "object"}
+    assert structured_output({"type": "text"}, None, none) is None
+    assert structured_output({"type": "json_object"}, None, none) == StructuredOutput(
+        "json_object")
+    assert structured_output({"type": "json_schema", "json_schema": {"schema": schema}},
+                             None, none) == StructuredOutput("json", json.dumps(schema))
+    assert structured_output(None, {"choice": ["a", "b"]}, none) == StructuredOutput(
+        "choice", choices=("a", "b"))
+    assert structured_output(None, None, {**none, "json": json.dumps(schema)}) == (
+        StructuredOutput("json", json.dumps(schema)))
+    assert structured_output(None, {"grammar": 'root ::= "x"'}, none).kind == "grammar"
+    for args, param in [(({"type": "xml"}, None, none), "response_format.type"),
+                        ((None, {"regex": ""}, none), "structured_outputs.regex"),
+                        ((None, None, {**none, "choice": "ab"}), "guided_choice"),
+                        ((None, {"regex": "a"}, {**none, "regex": "a"}), "response_format")]:
+        with pytest.raises(StructuredOutputError) as err:
+            structured_output(*args)
+        assert err.value.param == param
