@@ -67,8 +67,7 @@ def write_tiny_eagle3_draft(out_dir: str, target_dir: str, *, draft_vocab_size: 
                             with_lm_head: bool = True, norm_before_residual: bool = False,
                             max_position_embeddings: int | None = None,
                             architecture: str | None = None,
-                            checkpoint_format: str = "sglang",
-                            draft_vocab_ids: list[int] | None = None) -> str:
+                            checkpoint_format: str = "sglang") -> str:
     """A random EAGLE-3 draft for the target in ``target_dir``.
 
     checkpoint_format: "sglang" (``LlamaForCausalLMEagle3``, ``midlayer.*``) or
@@ -79,12 +78,8 @@ def write_tiny_eagle3_draft(out_dir: str, target_dir: str, *, draft_vocab_size: 
     ``eagle_aux_hidden_state_layer_ids`` in the layout's own convention (sglang: layer
     OUTPUT ids; speculators: layer INPUT ids); None = omit them, so the target's default
     feature layers 2, L//2, L-3 apply. with_embed: also write ``embed_tokens.weight`` (a
-    copy of the target's). draft_vocab_ids: the target ids of the reduced vocabulary
-    (instead of a random subset; draft_vocab_size is then their count). Returns
-    ``out_dir``.
+    copy of the target's). Returns ``out_dir``.
     """
-    if draft_vocab_ids is not None:
-        draft_vocab_size = len(draft_vocab_ids)
     t = _target_config(target_dir)
     g = _geometry(t)
     h, v = g["h"], g["v"]
@@ -106,8 +101,7 @@ def write_tiny_eagle3_draft(out_dir: str, target_dir: str, *, draft_vocab_size: 
     tensors["norm.weight"] = norm_w()
     if with_lm_head:
         tensors["lm_head.weight"] = normal((vd, h))
-    ids = (np.sort(np.asarray(draft_vocab_ids)) if draft_vocab_ids is not None else
-           np.arange(v) if vd == v else np.sort(rng.choice(v, vd, replace=False)))
+    ids = np.arange(v) if vd == v else np.sort(rng.choice(v, vd, replace=False))
     tensors["d2t"] = (ids - np.arange(vd)).astype(np.int64)
     t2d = np.zeros(v, bool)
     t2d[ids] = True
