@@ -1,6 +1,6 @@
 """eagle_jax: EAGLE / EAGLE-3 speculative decoding in JAX, with Pallas kernels."""
 
-from eagle_jax.sampling import TOP_K_ALL, SamplingParams
+from eagle_jax.sampling import TOP_K_ALL, SamplingParams, StructuredOutput
 
 
 def __getattr__(name):
@@ -12,4 +12,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "TOP_K_ALL"]
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "StructuredOutput", "TOP_K_ALL"]

@@ -28,6 +28,40 @@ TOP_K_ALL = 1 << 30
 # Largest number of top logprobs a request may ask for per token (vLLM's default cap).
 MAX_LOGPROBS = 20
 
+# The kinds of structured output a request may ask for (``StructuredOutput.kind``).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output: the grammar engine (``eagle_jax.grammar``)
+    compiles it once per distinct value (the dataclass is its cache key).
+
+    Attributes:
+      kind: "json" (``spec`` a JSON schema, as JSON text), "json_object" (any JSON
+        object; ``spec`` empty), "regex" (``spec`` a regular expression), "choice"
+        (``choices``: the output is exactly one of them), "grammar" (``spec`` an EBNF
+        grammar in xgrammar's GBNF dialect, its start rule ``root``).
+    """
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, "
+                             f"got {self.kind!r}")
+        if self.kind == "choice":
+            if (isinstance(self.choices, str) or not self.choices
+                    or not all(isinstance(c, str) and c for c in self.choices)):
+                raise ValueError("structured output choice needs a non-empty list of "
+                                 f"non-empty strings, got {self.choices!r}")
+            object.__setattr__(self, "choices", tuple(self.choices))
+        elif self.kind != "json_object" and not (isinstance(self.spec, str) and self.spec):
+            raise ValueError(f"structured output {self.kind} needs a non-empty spec string, "
+                             f"got {self.spec!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -45,6 +79,8 @@ class SamplingParams:
       ignore_eos: keep generating past EOS.
       logprobs: None, or how many top logprobs to return per generated token (0..20).
       include_stop_str_in_output: keep the matched stop string in the text.
+      structured: None, or the constraint its output must satisfy (JSON schema, regex,
+        choice, grammar); the grammar forbids EOS until the structure is complete.
     """
 
     temperature: float = 1.0
@@ -58,6 +94,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         # Normalise list inputs so the dataclass stays hashable and immutable.
@@ -121,6 +158,13 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError("structured must be a StructuredOutput, got "
+                                 f"{type(self.structured).__name__}")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured output: the "
+                                 "grammar ends the output with EOS once it is complete")
 
     @property
     def is_greedy(self) -> bool:

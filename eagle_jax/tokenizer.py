@@ -297,6 +297,12 @@ class Tokenizer:
             return bytes(_BYTE_DECODER[ch] for ch in piece)
         return self.token_text(token_id).encode()
 
+    @property
+    def is_byte_level(self) -> bool:
+        """Whether its pieces are byte-level BPE's (GPT-2's byte alphabet), so that
+        ``token_bytes`` is each token's exact bytes."""
+        return self._is_byte_level
+
     @functools.cached_property
     def _is_byte_level(self) -> bool:
         """Whether the decoder (or one in its sequence) is byte-level BPE's."""

@@ -36,13 +36,16 @@ def powers_of_two(most: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class StepKey:
     """A decode step: its batch bucket, whether it computes logprobs, the prompt-chunk
-    lanes it carries (0: none) and its draft length."""
+    lanes it carries (0: none), its draft length, and whether it masks its rows by their
+    grammars (structured output: compiled on first use, never precompiled; its masks
+    come from the host while it runs, ``grammar_masks.host_masks``)."""
 
     name: ClassVar[str] = "step"
     batch: int
     with_logprobs: bool
     num_lanes: int
     draft_length: int
+    constrained: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,8 +63,8 @@ class Engine:
         ``devices``: the ``tensor_parallel_size`` devices this engine runs on, a
         data-parallel replica's group (``parallel.device_groups``; ``make_engine`` builds
         the replicas); None = the first local ones (one device: the default device).
-        ``draft_probs_hook`` (tests only) rewrites the draft probabilities inside the
-        step, as a corrupted buffer would (004). ``compile_fn`` turns the engine's pure
+        ``draft_probs_hook`` (tests only) rewrites the draft probabilities in the step
+        (004). ``compile_fn`` turns the engine's pure
         functions into executables (``executables.CompileFn``); serving's own
         (``jit_compile``) keeps them between starts in the executable store under
         ``config.compilation_cache_dir`` (``executable_store``)."""
@@ -107,7 +107,9 @@ class Engine:
             num_slots=self.num_slots, step_tokens=self.step_tokens,
             prefix_caching=config.enable_prefix_caching, check_next=self.draft is not None,
             share_boundary=runner.keeps_boundary_features)
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len, self.eos_ids)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.max_model_len, self.eos_ids, vocab_size=self.vocab_size,
+            structured_output_error=runner.structured_output_error)
         self.scheduler = Scheduler(
             menu=self.buckets, kv=self.kv_cache, processor=self.output_processor,
             draft_policy=FixedDraftLength(self.num_steps), num_slots=self.num_slots,
@@ -149,8 +151,7 @@ class Engine:
         return len(self.runner.executables)
 
     def set_synthetic_acceptance(self, rate: float) -> None:
-        """Benchmarks: the acceptance of an engine built with ``synthetic_acceptance``,
-        changed between requests without compiling again."""
+        """Benchmarks: ``synthetic_acceptance``, changed without compiling again."""
         self.runner.set_synthetic_acceptance(rate)
 
     # ------------------------------------------------------------- executables
@@ -158,22 +159,19 @@ class Engine:
         "Executables compiled, and pending in the background (``compile_in_background``)."))
 
     def finish_compiling(self) -> None:
-        """Waits for the background compiles; starts the adaptive policy if it waits for
-        them and no request holds a slot (else the next idle ``step()`` does)."""
+        """Waits for the background compiles; starts the adaptive policy once idle."""
         self.startup.finish(self._idle())
 
     def _idle(self) -> bool:
         return not self.scheduler.num_running() and self._in_flight is None
 
     def precompile(self, with_logprobs: bool = False) -> None:
-        """Compiles every executable of the bucket menu ahead of serving (their variants
-        that compute logprobs ``with_logprobs``)."""
+        """Compiles the bucket menu's executables (``with_logprobs``: their variants)."""
         precompile_menu(self.runner.executables, self.buckets, with_logprobs)
 
     def time_steps(self, repeats: int = 8, context: int = 256, greedy: bool = False
                    ) -> dict[tuple[int, int], float]:
-        """Seconds per step of every batch bucket and draft length
-        (``step_timing.time_steps``), while no request holds a slot."""
+        """Seconds per step of each bucket and draft length (``step_timing.time_steps``)."""
         if self.scheduler.num_running() or self._in_flight is not None:
             raise RuntimeError("draft lengths are timed while no request holds a slot")
         return time_steps(self.runner, repeats, context, greedy)
@@ -225,18 +223,20 @@ class Engine:
         carried, prefilled = self._prefill()
         outputs += prefilled
         plan = None
-        # Prefills that ran alone (nothing was decoding) sampled first tokens: they are
-        # returned now, and the next call dispatches their first decode step. Dispatched
-        # first, its launch would lie on their time to first token (~3 ms on the H200:
-        # docs/history/2026-12-03-issue-14-prefix-caching.md), and no running request
-        # waits for it.
+        # Prefills that ran alone sampled first tokens: returned now, their first decode
+        # step dispatched by the next call, off their time to first token (~3 ms on the
+        # H200: docs/history/2026-12-03-issue-14-prefix-caching.md).
         if not any(o.new_token_ids for o in prefilled):
             plan = self.scheduler.plan_step(carried)
         launched = self._dispatch(plan) if plan is not None else None
-        if self.config.async_scheduling:
-            launched, self._in_flight = self._in_flight, launched
-        host, rows = None, {}
-        if launched is not None:
+        collect = [launched]
+        if self.config.async_scheduling:  # (a constrained step is collected at once: the
+            # next step's grammar masks read the matchers its tokens advance)
+            now = launched is not None and launched.plan.key.constrained
+            collect, self._in_flight = [self._in_flight] + [launched] * now, (
+                None if now else launched)
+        host, rows, launched = None, {}, None
+        for launched in (x for x in collect if x is not None):
             host = jax.device_get(launched.output)
             collected, rows = self.scheduler.update_from_output(launched.plan, host)
             self._counter.count_step(host, rows, launched.plan.key.draft_length,

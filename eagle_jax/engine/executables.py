@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from eagle_jax.engine.buckets import ExecutableKey
+from eagle_jax.engine.buckets import ExecutableKey, StepKey
 from eagle_jax.engine.host_inputs import HostLayout
 
 logger = logging.getLogger("eagle_jax.engine")
@@ -196,7 +196,8 @@ class ExecutableCache:
 
     def _compile(self, key: ExecutableKey) -> Callable:
         fn, example_args, donate_argnums = self._build(key)
-        if self._store is not None:
+        # (A constrained step calls back to the host: it cannot be serialized.)
+        if self._store is not None and not (isinstance(key, StepKey) and key.constrained):
             executable = self._store.load_or_compile(key, fn, example_args, donate_argnums)
         else:
             executable = self._compile_fn(key.name, fn, example_args, donate_argnums)

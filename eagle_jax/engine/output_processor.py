@@ -6,6 +6,7 @@ nothing: the scheduler releases a finished request's slot and pages.
 from __future__ import annotations
 
 from eagle_jax.engine.request import Request
+from eagle_jax.grammar import GrammarCompiler
 from eagle_jax.engine.types import RequestOutput, TokenLogprob
 from eagle_jax.sampling import SamplingParams
 
@@ -20,10 +21,35 @@ def token_logprobs(tokens, logprob, top_ids, top_logprobs, num_top: int
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, eos_ids: set[int]):
+    def __init__(self, tokenizer, max_model_len: int, eos_ids: set[int], *,
+                 vocab_size: int | None = None, structured_output_error: str | None = None):
+        """``vocab_size``: the tokens a grammar's masks cover (None: the tokenizer's);
+        ``structured_output_error``: why the engine cannot serve structured output
+        (None: it can)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_ids = frozenset(eos_ids)
+        self.vocab_size = vocab_size
+        self.structured_output_error = structured_output_error
+        self._grammars: GrammarCompiler | None = None  # built on the first constraint
+
+    def _grammar(self, req: Request):
+        """The request's grammar matcher (its spec compiled, or from the cache), or a
+        ValueError naming why it cannot have one."""
+        if self.structured_output_error is not None:
+            raise ValueError(self.structured_output_error)
+        if len(req.prompt) < 2:
+            raise ValueError("prompt must hold at least 2 tokens for structured output (its "
+                             "first token is sampled by a decode step after the last prompt "
+                             "token, under the grammar's mask)")
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_output: needs a tokenizer; this model "
+                                 "directory has none")
+            self._grammars = GrammarCompiler(self.tokenizer,
+                                             self.vocab_size or self.tokenizer.vocab_size,
+                                             self.eos_ids)
+        return self._grammars.matcher(req.params.structured)
 
     def new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     arrival: float) -> Request:
@@ -38,6 +64,8 @@ class OutputProcessor:
             from eagle_jax.tokenizer import IncrementalDetokenizer
 
             req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=req.prompt)
+        if params.structured is not None:
+            req.grammar = self._grammar(req)
         return req
 
     def commit(self, req: Request, tokens: list[int],
@@ -65,6 +93,8 @@ class OutputProcessor:
             else:
                 req.text += new_text
         req.output.extend(kept)
+        if req.grammar is not None:
+            req.grammar.advance(kept)
         lps = logprobs[:len(kept)] if logprobs is not None else None
         if lps:
             req.logprobs.extend(lps)

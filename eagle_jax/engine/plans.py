@@ -47,6 +47,9 @@ class StepPlan:
     chunks: PrefillChunks | None  # prompt chunks riding in the step (key.num_lanes of them)
     rows: dict[int, tuple[Request, int]]  # slot -> (request, its preemptions at dispatch)
     firsts: tuple[tuple[int, Request, int], ...]  # FirstToken + preemptions at dispatch
+    # slot -> grammar.RequestGrammar of the rows under structured output (the host state
+    # the constrained variant's masks are read from while it runs; empty: none)
+    grammars: dict = dataclasses.field(default_factory=dict)
 
     @property
     def timed(self) -> bool:

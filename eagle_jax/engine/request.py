@@ -41,6 +41,15 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    grammar: object = None  # structured output's grammar.RequestGrammar, or None
+
+    @property
+    def samples_first_token(self) -> bool:
+        """Whether its last prefill chunk samples its first token: a new request's,
+        unless constrained. A constrained request's prefill stops one position short
+        and takes its last prompt token as last_token, so that its first token is
+        sampled by a decode step, under the grammar's mask as every later one is."""
+        return not self.output and self.grammar is None
 
     def known_tokens(self) -> list[int]:
         """Every token whose position the request knows: its prompt and output (the
@@ -59,9 +68,9 @@ class Request:
     @property
     def prefill_len(self) -> int:
         """Positions its prefill computes: a new request's prompt; one resumed after a
-        preemption, its prompt and every generated token but the last (which becomes
+        preemption (or a constrained one), its known tokens but the last (which becomes
         last_token)."""
-        return len(self.prompt) + max(len(self.output) - 1, 0)
+        return len(self.prompt) + len(self.output) - (0 if self.samples_first_token else 1)
 
     def full_page_keys(self, page_size: int, tokens: list[int] | None = None) -> list[bytes]:
         """The prefix-cache keys of its full pages, extended as it grows (its tokens

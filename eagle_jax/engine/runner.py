@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from eagle_jax import parallel
 from eagle_jax.config import ModelConfig, resolve_dtype
+from eagle_jax.grammar import fill_masks, num_mask_words
 from eagle_jax.engine import step as step_lib
 from eagle_jax.engine.buckets import (
     BucketMenu, CatchUpKey, ExecutableKey, PrefillKey, ScoreKey, StepKey, UpdateSlotsKey)
@@ -29,6 +30,7 @@ from eagle_jax.engine.executable_store import ExecutableStore, store_dir
 from eagle_jax.engine.executables import (
     CompileFn, ExecutableCache, enable_compilation_cache, jit_compile, merge_module,
     split_module)
+from eagle_jax.engine.grammar_masks import host_masks
 from eagle_jax.engine.kv_cache_manager import pad_page_updates, max_page_updates
 from eagle_jax.engine.pool_sizing import size_pool
 from eagle_jax.engine.prefill import prefill_chunks
@@ -77,6 +79,14 @@ class ModelRunner:
             raise ValueError("draft_probs_hook rewrites a chain's draft probabilities; it has "
                              "no effect on a tree (speculative_eagle_topk > 1): drop one")
         self._draft_probs_hook = draft_probs_hook
+        # Structured output: why this engine cannot serve it (None: it can), and the
+        # constrained rows of the step being dispatched (slot -> grammar.RequestGrammar).
+        self.structured_output_error = (
+            None if self.tree_topk == 1 else
+            "structured_output: not supported with tree drafting (speculative_eagle_topk "
+            f"{self.tree_topk} > 1): the tree's masks are not implemented; serve it with "
+            "speculative_eagle_topk 1 (a chain)")
+        self.grammar_rows: dict = {}
         # Positions one step verifies per request: the chain's window (S + 1), a tree's
         # root and nodes, or 1. A prompt chunk riding in a step comes in rows this wide.
         self.verify_width = config.num_draft_tokens if self.num_steps else 1
@@ -248,7 +258,7 @@ class ModelRunner:
             if key.num_lanes:
                 args += (self.chunks_spec(key.num_lanes, self.menu.step_lane_len(key.batch)),)
             return self.step_function(key.batch, key.with_logprobs, key.num_lanes,
-                                      key.draft_length), args, (2,)
+                                      key.draft_length, key.constrained), args, (2,)
         if isinstance(key, PrefillKey):
             return (self.prefill_function(key.with_logprobs),
                     self.prefill_inputs(key.num, key.size), (2,))
@@ -269,21 +279,31 @@ class ModelRunner:
                 pad_page_updates([], self.max_page_updates, self.num_slots))
 
     def step_function(self, batch: int, with_logprobs: bool = False,
-                      num_lanes: int = 0, draft_length: int | None = None) -> Callable:
+                      num_lanes: int = 0, draft_length: int | None = None,
+                      constrained: bool = False) -> Callable:
         """The pure step of a batch bucket:
         ``(target_params, draft_params, state, page_updates) -> (state, StepOutput)``,
         drafting ``draft_length`` tokens (default num_steps); with ``num_lanes``, a fifth
         argument, ``PrefillChunks`` of that many lanes (``BucketMenu.step_lane_len``
-        positions each), rides in the step's forward. Compiled with ``state`` donated."""
+        positions each), rides in the step's forward; ``constrained``: its rows masked by
+        the grammars of ``grammar_rows`` (``grammar_masks``). Compiled with ``state``
+        donated."""
         length = self.num_steps if draft_length is None else draft_length
         if num_lanes and length != self.num_steps:
             raise ValueError("a step that carries prompt chunks drafts num_steps tokens")
+        if constrained and self.structured_output_error is not None:
+            raise ValueError(self.structured_output_error)
         tg, dg, cfg, vocab = self._target_graph, self._draft_graph, self.config, self.vocab_size
+        grammar = (host_masks(lambda drafted: fill_masks(self.grammar_rows, drafted,
+                                                         num_mask_words(vocab)),
+                              num_mask_words(vocab)) if constrained else None)
 
         def run(target_params, draft_params, state, page_updates, chunks=None):
             target = merge_module(tg, target_params)
             common = dict(batch=batch, vocab_size=vocab, with_logprobs=with_logprobs,
                           chunks=chunks)
+            if grammar is not None:
+                common.update(grammar=grammar)
             if dg is None:
                 return step_lib.plain_step(target, state, page_updates, **common)
             draft = merge_module(dg, draft_params)
@@ -385,6 +405,7 @@ class ModelRunner:
         if plan.catch_up:
             self.catch_up(plan.key.batch)
         args = (self.target_params, self.draft_params, self.state, plan.page_updates)
+        self.grammar_rows = plan.grammars  # what a constrained step's masks read
         if plan.chunks is not None:
             args += (plan.chunks,)
         self.state, out = self.executables[plan.key](*args)

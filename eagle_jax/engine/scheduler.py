@@ -261,7 +261,8 @@ class Scheduler:
                 i += 1
             is_last = start + total == known
             chunks.slot[i - 1] = req.slot
-            chunks.is_last[i - 1], chunks.sample_next[i - 1] = is_last, is_last and not req.output
+            chunks.is_last[i - 1] = is_last
+            chunks.sample_next[i - 1] = is_last and req.samples_first_token
             req.seq_len += total
             req.in_prefill = not is_last
             self.kv.cache_pages(req)
@@ -283,6 +284,8 @@ class Scheduler:
         return outputs
 
     def _commit(self, req: Request, tokens: list[int], logprobs) -> RequestOutput:
+        if req.first_token_time is None:  # (a constrained request's, from its first step)
+            req.first_token_time = time.monotonic()
         output = self.processor.commit(req, tokens, logprobs)
         if req.finished:
             self._retire(req)
@@ -317,11 +320,14 @@ class Scheduler:
         for req in occupied.values():
             req.in_flight += 1
             req.draft_lag += behind
+        # Rows under a grammar run the step's constrained variant (``StepKey.constrained``).
+        grammars = {slot: req.grammar for slot, req in occupied.items() if req.grammar}
         return StepPlan(
-            StepKey(batch, with_logprobs, 0 if chunks is None else len(chunks.slot), length),
+            StepKey(batch, with_logprobs, 0 if chunks is None else len(chunks.slot), length,
+                    bool(grammars)),
             slot_updates, catch_up, page_updates, chunks,
             {slot: (req, req.preemptions) for slot, req in occupied.items()},
-            tuple((i, req, req.preemptions) for i, req in firsts))
+            tuple((i, req, req.preemptions) for i, req in firsts), grammars)
 
     def _step_bucket(self, max_slot: int, with_logprobs: bool, carrying: bool
                      ) -> tuple[int, list[tuple[int, int]]]:

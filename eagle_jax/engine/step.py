@@ -5,6 +5,15 @@ Everything here is a function of arrays (the state: ``state.py``). The host side
 requests, picks a bucket, and calls the compiled executables; nothing in this module
 reads a device value back to the host.
 
+Structured output (``grammar``: the constrained variant of a step, None otherwise, so an
+unconstrained step is traced as before): ``grammar(drafted [B, n])`` is each row's token
+bitmask [B, W] after its n tokens drafted so far in this step (from the host's matchers,
+``grammar_masks.host_masks``). The draft proposes from its masked logits (its q is what
+it sampled from), and the target is masked at every verify position by the mask after
+the draft prefix before it, so the accepted output follows the target's distribution
+renormalised over the tokens the grammar allows, whatever the draft proposes; greedy
+rows take the allowed argmax, as the masked plain step does.
+
 A step of draft length 0 (the target's step alone) leaves the draft behind by the
 position it commits, keeping that position's token and feature; ``catch_up_draft``
 extends the draft over them before the next step that drafts. A step may carry prompt
@@ -19,12 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.engine.draft_tree import build_draft_tree
+from eagle_jax.engine.grammar_masks import drafted, masked_draft_logits
 from eagle_jax.engine.prefill import apply_chunk_pages, finish_chunks, store_step_features
 from eagle_jax.engine.state import (
     MAX_DRAFT_LAG, PAD_POSITION, Array, DecodeState, PrefillChunks, StepOutput,
     apply_page_updates, slot_rows, split_keys, token_logprobs, uniforms, write_rows)
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
-from eagle_jax.kernels.filters import sample_from_probs, sampling_probs
+from eagle_jax.kernels.filters import apply_token_bitmask, sample_from_probs, sampling_probs
 from eagle_jax.kernels.spec_sampler import SamplerOutput, speculative_sample
 from eagle_jax.kernels.tree_verify import verify_tree
 from eagle_jax.models.draft_ops import draft_decode_step, draft_extend
@@ -78,6 +88,7 @@ def _forward_with_chunks(target, state: DecodeState, tokens: Array, positions: A
 
 def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
                vocab_size: int, with_logprobs: bool, chunks: PrefillChunks | None = None,
+               grammar: Callable[[Array], Array] | None = None,
                ) -> tuple[DecodeState, StepOutput]:
     """One token per request from the target alone (the non-speculative baseline); with
     ``chunks``, prompt chunks of requests in prefill ride in the same forward."""
@@ -88,7 +99,9 @@ def plain_step(target, state: DecodeState, page_updates: Array, *, batch: int,
     _, _, logits, chunk_hidden, chunk_aux, pages = _forward_with_chunks(
         target, state, last[:, None], positions, chunks, ())
     logits = logits[:, 0]
-    res = _target_token(logits, rows, uniforms(sub[:, 0], 1)[:, 0], vocab_size, active)
+    masked = logits if grammar is None else apply_token_bitmask(logits,
+                                                                 grammar(drafted([], batch)))
+    res = _target_token(masked, rows, uniforms(sub[:, 0], 1)[:, 0], vocab_size, active)
     token, n = res.tokens[:, 0], res.num_tokens
     state = state._replace(
         target_pages=pages,
@@ -112,6 +125,7 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
               num_steps: int, probabilistic: bool, vocab_size: int, with_logprobs: bool,
               draft_probs_hook: Callable[[Array], Array] | None = None,
               chunks: PrefillChunks | None = None,
+              grammar: Callable[[Array], Array] | None = None,
               ) -> tuple[DecodeState, StepOutput]:
     """Propose S draft tokens, verify S + 1 positions, accept, extend the draft, commit.
 
@@ -135,14 +149,13 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     state = apply_chunk_pages(apply_page_updates(state, page_updates), chunks)
     seq_len, last, rows, keys, active = slot_rows(state, batch)
     keys, sub = split_keys(keys, 3)
-    u_propose = uniforms(sub[:, 0], S)
-    u_accept = uniforms(sub[:, 1], S + 1)
+    u_propose, u_accept = uniforms(sub[:, 0], S), uniforms(sub[:, 1], S + 1)
     target_vocab = target.config.vocab_size
 
     # 1. Propose: S tokens, one draft forward per token after the first.
-    draft_tokens, draft_probs, draft_probs_ok, draft_cache = _propose(
+    draft_tokens, draft_probs, draft_probs_ok, draft_cache, masks = _propose(
         draft, state, batch, rows, u_propose, num_steps=S, probabilistic=probabilistic,
-        target_vocab=target_vocab, vocab_size=vocab_size)
+        target_vocab=target_vocab, vocab_size=vocab_size, grammar=grammar)
     if draft_probs_hook is not None and S:
         if draft_probs is None:
             draft_probs = jax.nn.one_hot(draft_tokens, target_vocab, dtype=jnp.float32)
@@ -155,13 +168,15 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
     hidden, aux, target_logits, chunk_hidden, chunk_aux, target_pages = _forward_with_chunks(
         target, state, verify_tokens, verify_pos, chunks, draft.feature_layers or ())
     features = aux if draft.feature_layers else hidden
+    # Verify position j masked by the grammar after d_1 .. d_j (logprobs: the raw target's).
+    verify_logits = target_logits if masks is None else apply_token_bitmask(target_logits, masks)
 
     # 3. Accept (Pallas sampler). A step that drafts nothing (S = 0, the adaptive
     # policy's plain step) samples the target's token as plain_step does.
     if S == 0:
-        res = _target_token(target_logits[:, 0], rows, u_accept[:, 0], vocab_size, active)
+        res = _target_token(verify_logits[:, 0], rows, u_accept[:, 0], vocab_size, active)
     else:
-        res = speculative_sample(draft_tokens, draft_probs, target_logits, rows, u_accept,
+        res = speculative_sample(draft_tokens, draft_probs, verify_logits, rows, u_accept,
                                  vocab_size, active, draft_probs_ok=draft_probs_ok)
     if state.synthetic_acceptance is not None and S:
         res = _synthetic_verdict(res, draft_tokens, target_logits, uniforms(sub[:, 2], S),
@@ -189,15 +204,18 @@ def spec_step(target, draft, state: DecodeState, page_updates: Array, *, batch: 
 
 
 def _propose(draft, state: DecodeState, batch: int, rows: SamplingRows, u_propose: Array, *,
-             num_steps: int, probabilistic: bool, target_vocab: int,
-             vocab_size: int) -> tuple[Array, Array | None, Array | None, KVCache]:
+             num_steps: int, probabilistic: bool, target_vocab: int, vocab_size: int,
+             grammar: Callable[[Array], Array] | None = None
+             ) -> tuple[Array, Array | None, Array | None, KVCache, Array | None]:
     """``spec_step``'s proposal: S draft tokens from the draft's state, one draft forward
     per token after the first. Greedy drafting proposes every row's argmax (q is then
     one-hot); probabilistic drafting samples the rows that sample and still proposes the
-    argmax for greedy rows (top_k <= 1, 001).
+    argmax for greedy rows (top_k <= 1, 001). With ``grammar`` each token is proposed
+    from the draft's logits masked by the grammar after the tokens before it.
 
     Returns (draft tokens [B, S], their q [B, S, V] and each q's validity [B, S] when
-    drafting is probabilistic (else None), the draft's cache after its forwards)."""
+    drafting is probabilistic (else None), the draft's cache after its forwards, and with
+    ``grammar`` the bitmasks [B, S + 1, W] of the verify positions (else None))."""
     S = num_steps
     # A reduced draft vocabulary (d2t) holds real tokens only; a full-width draft shares
     # the target's padded embedding width and must mask the padding columns.
@@ -206,8 +224,11 @@ def _propose(draft, state: DecodeState, batch: int, rows: SamplingRows, u_propos
     draft_cache = state.draft_cache(batch)
     hidden = state.draft_hidden[:batch]
     logits = state.draft_logits[:batch]
-    tokens, qs, qs_ok = [], [], []
+    tokens, qs, qs_ok, masks = [], [], [], []
     for i in range(S):
+        if grammar is not None:
+            masks.append(grammar(drafted(tokens, batch)))
+            logits = masked_draft_logits(logits, masks[-1], draft.d2t, target_vocab)
         if probabilistic:
             proposal = propose_draft_tokens(logits, rows, u_propose[:, i], d2t=draft.d2t,
                                             target_vocab_size=target_vocab,
@@ -225,7 +246,10 @@ def _propose(draft, state: DecodeState, batch: int, rows: SamplingRows, u_propos
                     jnp.zeros((batch, 0), jnp.int32))  # [B, S]
     draft_probs = jnp.stack(qs, axis=1) if probabilistic and S else None  # [B, S, V]
     draft_probs_ok = jnp.stack(qs_ok, axis=1) if probabilistic and S else None  # [B, S]
-    return draft_tokens, draft_probs, draft_probs_ok, draft_cache
+    if grammar is not None:
+        masks.append(grammar(draft_tokens))
+    masks = jnp.stack(masks, axis=1) if grammar is not None else None  # [B, S + 1, W]
+    return draft_tokens, draft_probs, draft_probs_ok, draft_cache, masks
 
 
 def _commit(target, draft, state: DecodeState, batch: int, res, emitted: Array, keys: Array,

@@ -211,3 +211,21 @@ def sample_from_probs(probs: jax.Array, uniform: jax.Array) -> jax.Array:
   last_positive = (num_cols - 1 - jnp.argmax(positive[..., ::-1], axis=-1)).astype(jnp.int32)
   fallback = jnp.where(jnp.any(positive, axis=-1), last_positive, 0)
   return jnp.where(jnp.any(hit, axis=-1), first_hit, fallback).astype(jnp.int32)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+  """Structured output's mask on logits, before :func:`sampling_probs`.
+
+  Args:
+    logits: [..., V] float.
+    bitmask: [..., W] int32 (``eagle_jax.grammar``'s token bitmask): token t is allowed
+      where bit ``t % 32`` of word ``t // 32`` is set; columns past 32 W are not.
+  Returns:
+    logits with the disallowed tokens at -inf (so sampling_probs gives them 0 and
+    renormalises over the allowed ones; a greedy row takes the allowed argmax).
+  """
+  num_cols = logits.shape[-1]
+  cols = jnp.arange(num_cols)
+  words = jnp.take(bitmask, jnp.minimum(cols // 32, bitmask.shape[-1] - 1), axis=-1)
+  allowed = ((words >> (cols % 32)) & 1).astype(bool) & (cols < 32 * bitmask.shape[-1])
+  return jnp.where(allowed, logits, -jnp.inf)

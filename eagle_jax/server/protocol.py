@@ -15,6 +15,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from ..sampling import SamplingParams
+from .structured import StructuredOutputError, structured_output
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -107,6 +108,13 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:N"
+    # Structured output (``structured.py``): OpenAI's, vLLM's, and vLLM's older fields.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -117,6 +125,13 @@ class SamplingRequest(BaseModel):
                            sample_index: int) -> SamplingParams:
         """The engine's parameters for one choice. Sample ``i`` of a seeded request uses
         ``seed + i``, so the n samples differ and each is reproducible alone."""
+        try:
+            structured = structured_output(
+                self.response_format, self.structured_outputs,
+                {"json": self.guided_json, "regex": self.guided_regex,
+                 "choice": self.guided_choice, "grammar": self.guided_grammar})
+        except StructuredOutputError as e:
+            raise APIError.bad_request(str(e), e.param)
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -130,6 +145,7 @@ class SamplingRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                structured=structured,
             )
         except ValueError as e:
             raise APIError.from_value_error(e)
