@@ -30,11 +30,16 @@ def num_mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def _xgrammar():
-    # Imported on first use: xgrammar imports torch, which an unconstrained server
-    # never needs to load.
-    import xgrammar
-
+def import_xgrammar():
+    """The xgrammar module, imported on first use: it imports torch, which an
+    unconstrained server never needs to load. It is the "structured" extra, not a
+    dependency (pyproject.toml); a ValueError naming the extra where it is missing."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError(f"structured_output: the grammar engine xgrammar is not installed "
+                         f"({e}); install it with pip install 'eagle_jax[structured]'"
+                         ) from None
     return xgrammar
 
 
@@ -52,7 +57,7 @@ class GrammarCompiler:
         if not self.stop_ids:
             raise ValueError("structured_output: needs an EOS token id (the grammar ends the "
                              "output with it); the model's config and tokenizer name none")
-        xgr = _xgrammar()
+        xgr = import_xgrammar()
         special = set(tokenizer.all_special_ids) | set(self.stop_ids)
         if tokenizer.is_byte_level:
             vocab = [b"" if i in special else tokenizer.token_bytes(i)
@@ -113,7 +118,8 @@ class RequestGrammar:
     the step's drafted tokens), which it then takes back."""
 
     def __init__(self, compiled, stop_ids: list[int], vocab_size: int):
-        self._matcher = _xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_ids)
+        self._matcher = import_xgrammar().GrammarMatcher(compiled,
+                                                         override_stop_tokens=stop_ids)
         self.num_words = num_mask_words(vocab_size)
 
     @property

@@ -427,22 +427,53 @@ def _greedy(engine, prompts, max_tokens):
     return [o.token_ids for o in LLM(engine=engine).generate(prompts, params, use_tqdm=False)]
 
 
-def _target_greedy(target, prompts, max_tokens, vocab, length):
+def _target_greedy(target, prompts, max_tokens, vocab, length, with_logits=False):
     """Plain greedy decoding by the target's own forward (no cache: each step attends
     causally over the whole padded sequence, one compile): the speculative engine's
-    greedy output must be exactly this."""
+    greedy output must be this. ``with_logits``: also each prompt's [max_tokens, vocab]
+    logits of the steps."""
     graph, params = nnx.split(target)
     forward = jax.jit(lambda params, tokens: nnx.merge(graph, params)(
         tokens, jnp.arange(length)[None], None).logits[0, :, :vocab])
-    out = []
+    out, logits = [], []
     for prompt in prompts:
-        ids = list(prompt)
+        ids, rows = list(prompt), []
         for _ in range(max_tokens):
             tokens = np.zeros((1, length), np.int32)
             tokens[0, :len(ids)] = ids
-            ids.append(int(np.argmax(np.asarray(forward(params, tokens))[len(ids) - 1])))
+            rows.append(np.asarray(forward(params, tokens))[len(ids) - 1])
+            ids.append(int(np.argmax(rows[-1])))
         out.append(ids[len(prompt):])
-    return out
+        logits.append(np.stack(rows))
+    return (out, logits) if with_logits else out
+
+
+# The largest gap between the FP8 target's two best logits at which the speculative
+# engine's greedy token may differ from the target's own forward's. The two compute the
+# same model in other shapes, whose float32 sums round differently (~1e-6); where that
+# moves an activation across an e4m3 rounding boundary it quantizes to the next value,
+# 6-12% off, and the change spreads to every later position through the KV. Measured on
+# the default target in FP8 (the same four prompts, one forward padded to 160 positions,
+# one to 176): logits agree to 1e-5 up to the first such flip, then differ by a median
+# of 0.19 and at most 0.53 (in float32: at most 1.4e-5 throughout).
+NEAR_TIE = 0.6
+
+
+def _near_tie_divergences(out, ref, ref_logits) -> list[tuple[int, int, float]]:
+    """(prompt, position, gap) of each prompt's first difference between ``out`` and the
+    reference; AssertionError if one is not a near-tie of the reference's top two."""
+    found = []
+    for k, (a, b, logits) in enumerate(zip(out, ref, ref_logits)):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            continue
+        top2 = np.argsort(logits[i])[::-1][:2]
+        gap = float(logits[i][top2[0]] - logits[i][top2[1]])
+        print(f"prompt {k} first differs at {i} ({a[i]} vs {b[i]}): the target's top two "
+              f"{top2.tolist()}, gap {gap:.2e}")
+        assert {a[i], b[i]} == {int(t) for t in top2} and gap < NEAR_TIE, (k, i, gap)
+        found.append((k, i, gap))
+    return found
 
 
 def test_speculation_over_an_fp8_target_is_exact(models, fp8_target, caplog):
@@ -470,9 +501,10 @@ def test_speculation_over_an_fp8_target_is_exact(models, fp8_target, caplog):
 
 def test_default_pair_in_fp8_agrees_with_float32():
     """The default pair, its target quantized to FP8 on the fly (the draft in float32,
-    the default), on four held-out prompts: speculative greedy output exactly the FP8
-    target's own; against float32's, how much of it agrees and both accept lengths,
-    printed; the accept length within 5% of float32's."""
+    the default), on four held-out prompts: speculative greedy output the FP8 target's
+    own but at most one near-tie of its two best logits (``NEAR_TIE``); against
+    float32's, how much of it agrees and both accept lengths, printed; the accept length
+    within 5% of float32's."""
     from eagle_jax.assets import DEFAULT_DIR, DEFAULT_DRAFT, DEFAULT_TARGET
     from eagle_jax.engine import Engine, EngineConfig
 
@@ -491,8 +523,9 @@ def test_default_pair_in_fp8_agrees_with_float32():
     assert engine.runner.draft.fc.weight.dtype == np.float32
     assert engine.runner.target.layers[0].self_attn.o_proj.weight.dtype == FN
     (ref, ref_accept), (out, accept) = runs["float32"], runs["fp8"]
-    assert out == _target_greedy(engine.runner.target, ids, 40, engine.runner.vocab_size,
-                                 max(len(i) for i in ids) + 40)
+    own, own_logits = _target_greedy(engine.runner.target, ids, 40, engine.runner.vocab_size,
+                                     max(len(i) for i in ids) + 40, with_logits=True)
+    assert len(_near_tie_divergences(out, own, own_logits)) <= 1
     same = [int(np.sum(np.cumprod(np.equal(a, b)))) for a, b in zip(out, ref)]
     match = float(np.mean([np.mean(np.equal(a, b)) for a, b in zip(out, ref)]))
     print(f"\ndefault pair, FP8 target vs float32: identical prefixes {same} of 40 tokens, "

@@ -360,3 +360,15 @@ def test_wire_fields_read_into_one_constraint():
         with pytest.raises(StructuredOutputError) as err:
             structured_output(*args)
         assert err.value.param == param
+
+
+def test_without_the_grammar_engine_a_constraint_names_the_extra(monkeypatch):
+    """xgrammar is the "structured" extra: where it is missing, a constrained request is
+    a ValueError (the server's 400) naming the extra, not an ImportError."""
+    import sys
+
+    from eagle_jax import grammar
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises
+    with pytest.raises(ValueError, match=r"pip install 'eagle_jax\[structured\]'"):
+        grammar.import_xgrammar()

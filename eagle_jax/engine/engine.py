@@ -144,11 +144,9 @@ class Engine:
     prefix_cache_queries = property(lambda self: self.kv_cache.prefix_cache_queries)
     prefix_cache_hits = property(lambda self: self.kv_cache.prefix_cache_hits)
 
-    @property
-    def num_compiled(self) -> int:
-        """Executables compiled so far: a benchmark that compiles lazily checks that its
-        timed requests compiled none."""
-        return len(self.runner.executables)
+    num_compiled = property(lambda self: len(self.runner.executables), doc=(
+        "Executables compiled so far (a lazily compiling benchmark checks its timed "
+        "requests compiled none)."))
 
     def set_synthetic_acceptance(self, rate: float) -> None:
         """Benchmarks: ``synthetic_acceptance``, changed without compiling again."""
@@ -228,15 +226,8 @@ class Engine:
         # H200: docs/history/2026-12-03-issue-14-prefix-caching.md).
         if not any(o.new_token_ids for o in prefilled):
             plan = self.scheduler.plan_step(carried)
-        launched = self._dispatch(plan) if plan is not None else None
-        collect = [launched]
-        if self.config.async_scheduling:  # (a constrained step is collected at once: the
-            # next step's grammar masks read the matchers its tokens advance)
-            now = launched is not None and launched.plan.key.constrained
-            collect, self._in_flight = [self._in_flight] + [launched] * now, (
-                None if now else launched)
         host, rows, launched = None, {}, None
-        for launched in (x for x in collect if x is not None):
+        for launched in self._steps_to_read(self._dispatch(plan) if plan else None):
             host = jax.device_get(launched.output)
             collected, rows = self.scheduler.update_from_output(launched.plan, host)
             self._counter.count_step(host, rows, launched.plan.key.draft_length,
@@ -249,13 +240,23 @@ class Engine:
             listener(event)
         return outputs
 
+    def _steps_to_read(self, launched: InFlightStep | None) -> list[InFlightStep]:
+        """The steps whose tokens this call reads: ``launched``; with ``async_scheduling``
+        the one in flight before it, ``launched`` staying in flight unless constrained
+        (the next step's grammar masks read the matchers its tokens advance)."""
+        if not self.config.async_scheduling:
+            return [launched] if launched else []
+        previous, keep = self._in_flight, launched and not launched.plan.key.constrained
+        self._in_flight = launched if keep else None
+        return [s for s in (previous, None if keep else launched) if s is not None]
+
     def _prefill(self) -> tuple[list[Request], list[RequestOutput]]:
         """Spends this step's prefill budget on the next chunks of the requests in
         prefill (``Scheduler.prefill_candidates``). While requests decode, the chunks ride
         in the decode step (the requests are returned, for its plan) once a step with
         lanes is compiled; else they run as prefills of their own, one forward for all
-        of a round's chunks, round after round while budget is left (a request whose last chunk ran joins this step's
-        decode; a new one commits its first token, sampled by that chunk)."""
+        of a round's chunks, round after round while budget is left (a request whose last
+        chunk ran joins this step's decode; a new one commits its first token)."""
         budget, decoding = self.scheduler.prefill_budget()
         if decoding and self.scheduler.can_carry_chunks():
             return self.scheduler.prefill_candidates(budget), []
