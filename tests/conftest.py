@@ -17,6 +17,12 @@ from .multidevice import FAST_COMPILE_FLAGS
 # reads XLA_FLAGS once; a caller's own XLA_FLAGS are left as they are.
 if os.environ.get("JAX_PLATFORMS") == "cpu" and "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = FAST_COMPILE_FLAGS
+# pytest-xdist's workers on one GPU (the device suite's command, docs/GPU_TESTS.md): each
+# takes its share of the device's memory instead of JAX's default 75%, which would leave
+# the second worker none. Read once, when the backend starts.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                          f"{0.9 / int(os.environ['PYTEST_XDIST_WORKER_COUNT']):.2f}")
 
 # Tests compare float32 results against float64-accurate references.
 jax.config.update("jax_default_matmul_precision", "highest")
