@@ -10,6 +10,7 @@ scoring) the forward is plain causal attention over the tokens given.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import NamedTuple, Sequence
@@ -73,6 +74,50 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _shared_layer(graphdef: nnx.GraphDef, tail: tuple[int, int], state, x, positions,
+                  k_pool, v_pool, page_table, inv_freq, slots, kv_len, q_len, block_mask):
+    """One decoder layer over its own pool, as one jitted function that every layer of
+    the stack calls: JAX traces and lowers it once per shape (the call's jaxpr and its
+    lowered function are cached), and XLA inlines the calls, so the compiled program is
+    the unrolled stack's. ``k_pool`` / ``v_pool``: the layer's [P, page_size, K, D]
+    (None without a cache); ``tail``: ``AttentionBatch``'s static (tail_rows,
+    tail_blocks). Returns (x, k_pool, v_pool)."""
+    layer = nnx.merge(graphdef, state)
+    if k_pool is None:
+        return layer(x, positions, None, 0, inv_freq, None)[0], None, None
+    cache = KVCache(KVPages((k_pool,), (v_pool,)), page_table)
+    batch = AttentionBatch(slots, kv_len, q_len, block_mask, *tail)
+    x, cache = layer(x, positions, cache, 0, inv_freq, batch)
+    return x, cache.pages.k[0], cache.pages.v[0]
+
+
+def run_layers(layers: Sequence[DecoderLayer], x: Array, positions: Array,
+               cache: KVCache | None, inv_freq: Array, batch: AttentionBatch | None,
+               capture: Sequence[int] = ()) -> tuple[Array, KVCache | None, dict[int, Array]]:
+    """The decoder stack: x [B, T, H] through ``layers`` in order, each writing its
+    keys and values into its pool of ``cache``. Returns (x, cache, {i: layer i's input
+    for i in capture}) (EAGLE-3's features)."""
+    captured = {}
+    k_pools, v_pools = (None, None) if cache is None else map(list, cache.pages)
+    table = None if cache is None else cache.page_table
+    arrays = (None,) * 4 if batch is None else batch[:4]
+    tail = (0, 0) if batch is None else (batch.tail_rows, batch.tail_blocks)
+    for i, layer in enumerate(layers):
+        if i in capture:
+            captured[i] = x
+        graphdef, state = nnx.split(layer)
+        x, k, v = _shared_layer(graphdef, tail, state, x, positions,
+                                None if cache is None else k_pools[i],
+                                None if cache is None else v_pools[i], table, inv_freq,
+                                *arrays)
+        if cache is not None:
+            k_pools[i], v_pools[i] = k, v
+    if cache is not None:
+        cache = cache._replace(pages=KVPages(tuple(k_pools), tuple(v_pools)))
+    return x, cache, captured
 
 
 class Decoder(nnx.Module):
@@ -163,11 +208,8 @@ class Decoder(nnx.Module):
         batch = None if cache is None else cache.attention_batch(
             positions, None if tree is None else tree.block_mask, tail_rows, tail_blocks)
         rope_positions = positions if tree is None else tree.rope_positions
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                captured[i] = x
-            x, cache = layer(x, rope_positions, cache, i, inv_freq, batch)
+        x, cache, captured = run_layers(self.layers, x, rope_positions, cache, inv_freq, batch,
+                                        aux_layers)
         hidden = self.norm(x)
         logits = None
         if compute_logits:
