@@ -32,3 +32,42 @@ def test_compile_and_load_tables(tmp_path, capsys, tiny_targets):
     assert load["bytes"] == sum(os.path.getsize(os.path.join(target, f))
                                 for f in os.listdir(target) if f.endswith(".safetensors"))
     assert load["disk_gb_s"] > 0 and load["load_cold_gb_s"] > 0 and load["load_warm_gb_s"] > 0
+
+
+def test_time_to_first_token_reads_the_stream_once_and_times_its_first_token():
+    """The first ``data:`` line's arrival, not the stream's end, against a local server
+    that streams a token after FIRST_S and the rest after a further REST_S (the
+    benchmark's server part failed on a GPU reading the stream twice: httpx's
+    StreamConsumed)."""
+    import http.server
+    import threading
+    import time
+
+    first_s, rest_s = 0.3, 0.6
+
+    class Streamer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            time.sleep(first_s)
+            for line in ('data: {"choices": [{"text": "a"}]}', 'data: {"choices": []}',
+                         "data: [DONE]"):
+                self.wfile.write((line + "\n\n").encode())
+                self.wfile.flush()
+                time.sleep(rest_s / 3)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Streamer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t0 = time.perf_counter()
+        ttft_ms = startup.time_to_first_token(f"http://127.0.0.1:{server.server_port}")
+        total_s = time.perf_counter() - t0
+    finally:
+        server.shutdown()
+    assert first_s * 1e3 <= ttft_ms < (first_s + rest_s / 3) * 1e3, ttft_ms
+    assert total_s >= first_s + rest_s * 0.9  # the rest of the stream was read to its end

@@ -64,10 +64,11 @@ def time_to_first_token(base_url: str, max_tokens: int = 8) -> float:
     t0 = time.perf_counter()
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
+        lines = r.iter_lines()  # one iterator: a stream is read once
+        for line in lines:
             if line.startswith("data: ") and line != "data: [DONE]":
                 first = time.perf_counter()
-                for _ in r.iter_lines():
+                for _ in lines:
                     pass
                 return (first - t0) * 1e3
     raise RuntimeError("the stream ended with no token")
