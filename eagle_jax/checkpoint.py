@@ -9,10 +9,13 @@ and the tensor. Pickle checkpoints (``*.bin``, ``*.pt``) are refused, never load
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import struct
-from typing import Callable, Iterable, Mapping
+import threading
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +33,7 @@ SAFETENSORS_DTYPES = {
 }
 _NP_TO_SAFETENSORS = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+READ_CHUNK_BYTES = 256 << 20
 
 
 class CheckpointError(ValueError):
@@ -56,6 +60,7 @@ class SafetensorsFile:
         self.metadata = header.pop("__metadata__", {}) or {}
         self.header = header
         self._offset = 8 + n
+        self._size = size
         self._mmap = None
 
     def keys(self) -> list[str]:
@@ -68,21 +73,48 @@ class SafetensorsFile:
         """The tensor's safetensors dtype code ("BF16", "F8_E4M3", ...)."""
         return self.header[name]["dtype"]
 
-    def get(self, name: str) -> np.ndarray:
+    def _layout(self, name: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        """(dtype, shape, first byte, end byte) of a tensor in the file, checked."""
         info = self.header[name]
         dtype = SAFETENSORS_DTYPES.get(info["dtype"])
         if dtype is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = (self._offset + o for o in info["data_offsets"])
+        count = int(np.prod(info["shape"], dtype=np.int64))
+        if end > self._size:
+            raise CheckpointError(f"{self.path}: tensor {name!r} spans bytes {start}..{end} "
+                                  f"but the file ends at {self._size}: it is truncated")
+        if end - start != count * np.dtype(dtype).itemsize:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} holds {end - start} bytes, expected "
+                f"{count * np.dtype(dtype).itemsize} for shape {info['shape']} {info['dtype']}")
+        return np.dtype(dtype), tuple(info["shape"]), start, end
+
+    def nbytes(self, name: str) -> int:
+        start, end = self.header[name]["data_offsets"]
+        return end - start
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as a read-only view of the file's memory map (read when touched)."""
+        dtype, shape, start, end = self._layout(name)
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
-        start, end = info["data_offsets"]
-        raw = self._mmap[self._offset + start:self._offset + end]
-        count = int(np.prod(info["shape"], dtype=np.int64))
-        if raw.size != count * np.dtype(dtype).itemsize:
-            raise CheckpointError(
-                f"{self.path}: tensor {name!r} holds {raw.size} bytes, expected "
-                f"{count * np.dtype(dtype).itemsize} for shape {info['shape']} {info['dtype']}")
-        return raw.view(dtype).reshape(info["shape"])
+        return self._mmap[start:end].view(dtype).reshape(shape)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor copied into memory by large sequential reads: what loading wants,
+        where the memory map's page faults read a few pages at a time."""
+        dtype, shape, start, end = self._layout(name)
+        out = np.empty(end - start, np.uint8)
+        view, done = memoryview(out), 0
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(start)
+            while done < len(view):
+                n = f.readinto(view[done:done + READ_CHUNK_BYTES])
+                if not n:
+                    raise CheckpointError(f"{self.path}: truncated inside tensor {name!r}")
+                done += n
+        return out.view(dtype).reshape(shape)
 
 
 class CheckpointReader:
@@ -97,6 +129,7 @@ class CheckpointReader:
         files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
+        self._prefetch: _Prefetch | None = None
         if os.path.exists(index_path):
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -130,6 +163,21 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    @contextlib.contextmanager
+    def prefetching(self, names: Sequence[str], *, max_bytes: int = 2 << 30,
+                    workers: int = 4) -> Iterator[None]:
+        """Within the block, ``workers`` threads read ``names`` (in the order ``get``
+        will ask for them; absent ones are skipped) ahead of ``get``, at most
+        ``max_bytes`` beyond the tensors taken: the disk reads on while the caller
+        converts and sends each tensor to its devices."""
+        self._prefetch = _Prefetch([(n, self._files[self._where[n]]) for n in names
+                                    if n in self._where], max_bytes, workers)
+        try:
+            yield
+        finally:
+            self._prefetch.close()
+            self._prefetch = None
+
     def keys(self) -> list[str]:
         return list(self._where)
 
@@ -143,15 +191,61 @@ class CheckpointReader:
         return self._files[self._where[name]].dtype(name)
 
     def get(self, name: str, expected_shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor (in memory if ``prefetching`` read it, else a view of its file's
+        memory map); CheckpointError naming the file and tensor when it is absent or of
+        another shape than ``expected_shape``."""
         if name not in self._where:
             shape = f"; expected shape {tuple(expected_shape)}" if expected_shape else ""
             raise CheckpointError(f"checkpoint {self.model_dir} lacks tensor {name!r}{shape}")
-        arr = self._files[self._where[name]].get(name)
+        prefetched = None if self._prefetch is None else self._prefetch.take(name)
+        arr = (self._files[self._where[name]].get(name) if prefetched is None
+               else prefetched)
         if expected_shape is not None and tuple(arr.shape) != tuple(expected_shape):
             raise CheckpointError(
                 f"{self.file_of(name)}: tensor {name!r} has shape {tuple(arr.shape)}; "
                 f"expected shape {tuple(expected_shape)}")
         return arr
+
+
+class _Prefetch:
+    """Reads tensors in a given order on background threads, at most ``max_bytes``
+    ahead of the tensors taken (one read always in flight): memory stays bounded
+    whatever the checkpoint's size."""
+
+    def __init__(self, order: list[tuple[str, SafetensorsFile]], max_bytes: int,
+                 workers: int):
+        self._order = order
+        self._max_bytes = max_bytes
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "checkpoint-read")
+        self._futures: dict[str, concurrent.futures.Future] = {}
+        self._sizes = {name: f.nbytes(name) for name, f in order}
+        self._next = 0  # order[_next:] not submitted yet
+        self._ahead = 0  # bytes submitted and not taken
+        self._lock = threading.Lock()
+        self._submit()
+
+    def _submit(self) -> None:
+        while self._next < len(self._order) and (
+                not self._futures or self._ahead < self._max_bytes):
+            name, file = self._order[self._next]
+            self._next += 1
+            if name not in self._futures:
+                self._futures[name] = self._pool.submit(file.read, name)
+                self._ahead += self._sizes[name]
+
+    def take(self, name: str) -> np.ndarray | None:
+        """The tensor read ahead (once), or None if it was not in the order."""
+        with self._lock:
+            future = self._futures.pop(name, None)
+            if future is not None:
+                self._ahead -= self._sizes[name]
+            self._submit()
+        return None if future is None else future.result()
+
+    def close(self) -> None:
+        for future in self._futures.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
 
 
 def save_safetensors(path: str, tensors: Mapping[str, np.ndarray],
@@ -272,29 +366,36 @@ def load_into(module: nnx.Module, reader: CheckpointReader, name_of: Callable[[t
     that is not FP8 is an error (its scales would be lost).
     """
     optional = set(optional)
-    for path, var in module_param_paths(module):
-        parts = _part_names(path, var, name_of)
-        if len(parts) == 1 and parts[0][0] in optional and parts[0][0] not in reader:
-            continue
-        arrays = [reader.get(name, expected_shape=(rows,) + tuple(var.shape[1:]))
-                  if read is None else read(name, (rows,) + tuple(var.shape[1:]), var)
-                  for name, rows in parts]
-        for (name, _), arr in zip(parts, arrays):
-            if arr.dtype.itemsize == 1 and arr.dtype.kind == "V" and not keeps_dtype(var):
-                raise CheckpointError(
-                    f"{reader.file_of(name)}: tensor {name!r} is {arr.dtype}; eagle_jax reads "
-                    "FP8 tensors only as the decoder layers' projections of a checkpoint "
-                    "whose config.json declares an FP8 quantization_config "
-                    "(compressed-tensors or fbgemm_fp8) with their scales")
-        arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
-        shards, replicas = _shard_layout(var)
-        if shards > 1:
-            arr = arr[fused_row_order(tuple(rows for _, rows in parts), shards, replicas)]
-        cast = var.dtype if keeps_dtype(var) else dtype
-        if shardings is None:
-            var.set_value(jnp.asarray(arr, dtype=cast))
-        else:
-            var.set_value(put(arr.astype(cast), shardings[path]))
+    params = [(path, var, _part_names(path, var, name_of))
+              for path, var in module_param_paths(module)]
+    with reader.prefetching([name for _, _, parts in params for name, _ in parts]):
+        for path, var, parts in params:
+            _load_param(reader, path, var, parts, dtype, optional, shardings, read)
+
+
+def _load_param(reader, path, var, parts, dtype, optional, shardings, read) -> None:
+    """One parameter of ``load_into``."""
+    if len(parts) == 1 and parts[0][0] in optional and parts[0][0] not in reader:
+        return
+    arrays = [reader.get(name, expected_shape=(rows,) + tuple(var.shape[1:]))
+              if read is None else read(name, (rows,) + tuple(var.shape[1:]), var)
+              for name, rows in parts]
+    for (name, _), arr in zip(parts, arrays):
+        if arr.dtype.itemsize == 1 and arr.dtype.kind == "V" and not keeps_dtype(var):
+            raise CheckpointError(
+                f"{reader.file_of(name)}: tensor {name!r} is {arr.dtype}; eagle_jax reads "
+                "FP8 tensors only as the decoder layers' projections of a checkpoint "
+                "whose config.json declares an FP8 quantization_config "
+                "(compressed-tensors or fbgemm_fp8) with their scales")
+    arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+    shards, replicas = _shard_layout(var)
+    if shards > 1:
+        arr = arr[fused_row_order(tuple(rows for _, rows in parts), shards, replicas)]
+    cast = var.dtype if keeps_dtype(var) else dtype
+    if shardings is None:
+        var.set_value(jnp.asarray(arr, dtype=cast))
+    else:
+        var.set_value(put(arr.astype(cast), shardings[path]))
 
 
 def module_tensors(module: nnx.Module, name_of: Callable[[tuple], str],

@@ -396,6 +396,9 @@ def _export_step(engine) -> dict[str, np.ndarray]:
         out[f"export/{platform}/paged_attention"] = np.array(text.count("paged_attention"))
         out[f"export/{platform}/manual_computations"] = np.array(
             text.count("sdy.manual_computation"))
+        out[f"export/{platform}/layer_calls"] = np.array(text.count("call @_shared_layer("))
+        out[f"export/{platform}/layer_functions"] = np.array(
+            text.count("func.func private @_shared_layer"))
         out[f"export/{platform}/nr_devices"] = np.array(exported.nr_devices)
         out[f"export/{platform}/in_specs"] = np.array(
             [spec(s) for s in exported.in_shardings_jax(engine.mesh)])

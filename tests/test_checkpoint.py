@@ -104,3 +104,47 @@ def test_corrupt_header(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!}    ")
     with pytest.raises(CheckpointError, match="corrupt safetensors header"):
         CheckpointReader(str(tmp_path))
+
+
+def _random_tensors(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "a": rng.standard_normal((64, 33)).astype(ml_dtypes.bfloat16),
+        "b": rng.standard_normal((7,)).astype(np.float32),
+        "c": rng.integers(-5, 5, (3, 4, 5)).astype(np.int64),
+        "d": rng.standard_normal((300, 16)).astype(np.float16),
+        "e": (rng.standard_normal((9, 8)) * 4).astype(ml_dtypes.float8_e4m3fn),
+    }
+
+
+def test_prefetched_reads_equal_the_mapped_tensors_in_any_order(tmp_path, monkeypatch):
+    """``prefetching`` reads ahead on threads within a byte budget smaller than one tensor
+    (no deadlock: one read is always in flight); ``get`` gives the same arrays as the
+    memory map whatever order it asks in, also for names absent from the order, and
+    large tensors come in several chunked reads."""
+    from eagle_jax import checkpoint
+
+    tensors = _random_tensors(0)
+    save_sharded(str(tmp_path), tensors, max_shard_bytes=4000)
+    monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", 1000)
+    r = CheckpointReader(str(tmp_path))
+    with r.prefetching(["d", "a", "b", "absent", "c"], max_bytes=1500, workers=2):
+        got = {name: r.get(name) for name in ("a", "e", "d", "c", "b")}
+    for name, want in tensors.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape
+        np.testing.assert_array_equal(got[name].view(np.uint8), want.view(np.uint8))
+
+
+def test_a_truncated_tensor_is_named_by_both_ways_of_reading(tmp_path):
+    save_safetensors(str(tmp_path / "model.safetensors"), _random_tensors(1))
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])  # "e", the last tensor, loses its end
+    r = CheckpointReader(str(tmp_path))
+    np.testing.assert_array_equal(r.get("b"), _random_tensors(1)["b"])
+    truncated = r"model\.safetensors: tensor 'e' spans bytes \d+\.\.\d+ but the file ends at"
+    with pytest.raises(CheckpointError, match=truncated):
+        r.get("e")
+    with pytest.raises(CheckpointError, match=truncated):
+        with r.prefetching(["b", "e"]):
+            r.get("b")
+            r.get("e")
