@@ -117,19 +117,30 @@ def _random_tensors(seed: int) -> dict[str, np.ndarray]:
     }
 
 
-def test_prefetched_reads_equal_the_mapped_tensors_in_any_order(tmp_path, monkeypatch):
-    """``prefetching`` reads ahead on threads within a byte budget smaller than one tensor
-    (no deadlock: one read is always in flight); ``get`` gives the same arrays as the
-    memory map whatever order it asks in, also for names absent from the order, and
-    large tensors come in several chunked reads."""
+def test_prefetching_reads_each_tensor_once_ahead_within_its_budget(tmp_path, monkeypatch):
+    """``prefetching`` reads the named tensors into the page cache on threads, in order,
+    within a byte budget smaller than one tensor (no deadlock: one read is always in
+    flight), each once; ``get`` gives the checkpoint's arrays whatever order it asks in,
+    also for names absent from the order."""
+    import threading
+
     from eagle_jax import checkpoint
 
     tensors = _random_tensors(0)
     save_sharded(str(tmp_path), tensors, max_shard_bytes=4000)
-    monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", 1000)
+    warmed, lock = [], threading.Lock()
+    warm = checkpoint.SafetensorsFile.warm
+
+    def recording_warm(self, name):
+        warm(self, name)
+        with lock:
+            warmed.append(name)
+
+    monkeypatch.setattr(checkpoint.SafetensorsFile, "warm", recording_warm)
     r = CheckpointReader(str(tmp_path))
     with r.prefetching(["d", "a", "b", "absent", "c"], max_bytes=1500, workers=2):
-        got = {name: r.get(name) for name in ("a", "e", "d", "c", "b")}
+        got = {name: np.array(r.get(name)) for name in ("d", "e", "a", "c", "b")}
+    assert sorted(warmed) == ["a", "b", "c", "d"]
     for name, want in tensors.items():
         assert got[name].dtype == want.dtype and got[name].shape == want.shape
         np.testing.assert_array_equal(got[name].view(np.uint8), want.view(np.uint8))
