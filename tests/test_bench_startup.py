@@ -7,6 +7,7 @@ import json
 import os
 
 from eagle_jax.bench import startup
+from eagle_jax.engine import EngineConfig
 
 
 def test_compile_and_load_tables(tmp_path, capsys, tiny_targets):
@@ -71,3 +72,21 @@ def test_time_to_first_token_reads_the_stream_once_and_times_its_first_token():
         server.shutdown()
     assert first_s * 1e3 <= ttft_ms < (first_s + rest_s / 3) * 1e3, ttft_ms
     assert total_s >= first_s + rest_s * 0.9  # the rest of the stream was read to its end
+
+
+def test_compile_table_of_an_adaptive_speculative_engine(models, capsys):
+    """The adaptive draft policy compiles and times every step variant as the engine
+    starts, before the menu's loop (the benchmark failed so on a GPU: it took each
+    compile to be the loop's current key): each executable is timed once, under its
+    own key, in the menu's order."""
+    times = startup.time_compiles(EngineConfig(
+        model=models["target"], draft_model=models["eagle3"], speculative_algorithm="EAGLE3",
+        num_steps=1, speculative_policy="adaptive", draft_lengths=(0, 1), dtype="float32",
+        max_model_len=64, max_num_seqs=1, batch_buckets=(1,), prefill_buckets=(16,)))
+    families = [t.family for t in times]
+    assert {"step, draft length 0", "step, draft length 1", "catch up"} <= set(families)
+    assert len({t.key for t in times}) == len(times)
+    printed = capsys.readouterr().out
+    for t in times:
+        assert printed.count(t.key + ":") == 1, t.key
+        assert t.trace_s > 0 and t.lower_s > 0 and t.compile_s > 0, t

@@ -61,14 +61,14 @@ def _call_recording(record, returned=None):
     """A ``CompileFn`` of ``jit_compile``'s executables whose every call first does
     ``record(executable name, call arguments)`` and, with ``returned``, then
     ``returned(executable name, its outputs)``."""
-    def compile_fn(name, fn, example_args, donate_argnums):
-        compiled = jit_compile(name, fn, example_args, donate_argnums)
+    def compile_fn(key, fn, example_args, donate_argnums):
+        compiled = jit_compile(key, fn, example_args, donate_argnums)
 
         def call(*args):
-            record(name, args)
+            record(key.name, args)
             out = compiled(*args)
             if returned is not None:
-                returned(name, out)
+                returned(key.name, out)
             return out
         return call
     return compile_fn
@@ -235,9 +235,9 @@ def test_precompile_logprobs_leaves_nothing_to_compile_for_a_logprobs_request(
     ValueError naming both fields."""
     compiled = []
 
-    def recording(name, fn, example_args, donate_argnums):
-        compiled.append(name)
-        return jit_compile(name, fn, example_args, donate_argnums)
+    def recording(key, fn, example_args, donate_argnums):
+        compiled.append(key.name)
+        return jit_compile(key, fn, example_args, donate_argnums)
 
     engine = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
                                  **{**BASE, "precompile": True,

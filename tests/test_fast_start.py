@@ -169,8 +169,8 @@ def test_a_corrupt_entry_is_logged_and_compiled_again(tmp_path, caplog):
 
 def test_the_comparison_tool_and_a_draft_probs_hook_do_not_use_the_store(models, tmp_path,
                                                                           keep_jax_cache_dir):
-    def own_compile(name, fn, example_args, donate_argnums):
-        return jit_compile(name, fn, example_args, donate_argnums)
+    def own_compile(key, fn, example_args, donate_argnums):
+        return jit_compile(key, fn, example_args, donate_argnums)
 
     engine = Engine(_config(models, compilation_cache_dir=str(tmp_path), precompile=False),
                     compile_fn=own_compile)
@@ -193,12 +193,12 @@ class GatedCompiles:
         self.calls: list[tuple[str, str]] = []
         self.gate_timed_out = False
 
-    def __call__(self, name, fn, example_args, donate_argnums):
+    def __call__(self, key, fn, example_args, donate_argnums):
         thread = threading.current_thread().name
-        self.calls.append((name, thread))
+        self.calls.append((key.name, thread))
         if thread.startswith("eagle-jax-compile") and not self.gate.wait(timeout=60):
             self.gate_timed_out = True  # something waited on a held-back compile
-        return jit_compile(name, fn, example_args, donate_argnums)
+        return jit_compile(key, fn, example_args, donate_argnums)
 
 
 @pytest.fixture(scope="module")
@@ -352,3 +352,41 @@ def test_nothing_is_stored_while_jaxs_cache_is_in_use(tmp_path, keep_jax_cache_d
     assert float(store.load_or_compile(key, fused, args, ())(*args)) == pytest.approx(
         float(fused(*args)))
     assert store.hits == 1
+
+
+# ------------------------------------------------------------------------- warm-up
+def test_warm_up_runs_the_ready_set_and_changes_nothing(models):
+    """``startup.warm_up`` (run on a GPU before the engine says it is ready) runs the
+    ready set through the runner's own dispatch on inputs that change nothing: over KV
+    pools of random values, the pools, page tables, lengths, activity and sampling rows
+    come back as they were, and the engine then generates what an engine that skipped
+    it generates, greedy and seeded sampling alike."""
+    from eagle_jax.engine import startup
+    from eagle_jax.models.layers import KVPages
+
+    engine = Engine(_config(models, precompile=False))
+    runner = engine.runner
+    rng = np.random.default_rng(0)
+
+    def noise(pages):
+        return KVPages(*(tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in kv)
+                         for kv in pages))
+
+    runner.state = runner.state._replace(target_pages=noise(runner.state.target_pages),
+                                         draft_pages=noise(runner.state.draft_pages))
+    keep = ("target_pages", "draft_pages", "page_table", "seq_len", "active", "sampling",
+            "draft_lag", "draft_page_table")
+    before = jax.device_get({f: getattr(runner.state, f) for f in keep})
+    assert len(runner.executables) == 0
+    startup.warm_up(runner, engine.buckets.ready_set())
+    assert len(runner.executables) == len(engine.buckets.ready_set()) == 3
+    after = jax.device_get({f: getattr(runner.state, f) for f in keep})
+    for field in keep:
+        jax.tree.map(np.testing.assert_array_equal, after[field], before[field])
+
+    prompts = _prompts(3, seed=5)
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    cold = Engine(_config(models, precompile=False))
+    for e in (engine, cold):
+        e.add_request("s", prompts[0], sampled)
+    assert _generate(engine, prompts) == _generate(cold, prompts)

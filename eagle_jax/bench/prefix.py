@@ -76,9 +76,9 @@ class _PrefillTimer:
         self.records: list[tuple[float, ...]] = []  # (before, dispatch, wait, after)
         self.active = False
 
-    def compile_fn(self, name, fn, example_args, donate_argnums):
-        run = jit_compile(name, fn, example_args, donate_argnums)
-        if name != "prefill":
+    def compile_fn(self, key, fn, example_args, donate_argnums):
+        run = jit_compile(key, fn, example_args, donate_argnums)
+        if key.name != "prefill":
             return run
 
         def call(*args):

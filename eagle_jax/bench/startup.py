@@ -143,12 +143,13 @@ def family(key: ExecutableKey) -> str:
 
 def time_compiles(config: EngineConfig, with_logprobs: bool = False) -> list[CompileTime]:
     """Trace, lower and compile seconds of every executable of ``config``'s bucket menu,
-    one at a time, with no cache: as ``jit_compile`` builds them."""
+    one at a time, with no cache: as ``jit_compile`` builds them. (An adaptive draft
+    policy compiles and times every step variant as the engine starts, before the menu's
+    loop: those are timed as they come.)"""
     config = dataclasses.replace(config, precompile=False, compilation_cache_dir="")
-    current: list[ExecutableKey] = []
-    times: list[CompileTime] = []
+    times: dict[ExecutableKey, CompileTime] = {}
 
-    def timed_compile(name, fn, example_args, donate_argnums):
+    def timed_compile(key, fn, example_args, donate_argnums):
         signature = CallSignature.of(example_args)
         t0 = time.perf_counter()
         traced = signature.trace(fn, example_args, donate_argnums)
@@ -157,17 +158,16 @@ def time_compiles(config: EngineConfig, with_logprobs: bool = False) -> list[Com
         t2 = time.perf_counter()
         compiled = lowered.compile()
         t3 = time.perf_counter()
-        key = current[-1]
-        times.append(CompileTime(repr(key), family(key), t1 - t0, t2 - t1, t3 - t2))
+        t = times[key] = CompileTime(repr(key), family(key), t1 - t0, t2 - t1, t3 - t2)
+        print(f"  {t.key}: trace {t.trace_s:.2f} s, lower {t.lower_s:.2f} s, compile "
+              f"{t.compile_s:.2f} s", flush=True)
         return signature.wrap(compiled)
 
     engine = Engine(config, compile_fn=timed_compile)
-    for key in engine.buckets.executables(with_logprobs):
-        current.append(key)
+    keys = engine.buckets.executables(with_logprobs)
+    for key in keys:
         engine.runner.executables[key]
-        print(f"  {times[-1].key}: trace {times[-1].trace_s:.2f} s, lower "
-              f"{times[-1].lower_s:.2f} s, compile {times[-1].compile_s:.2f} s", flush=True)
-    return times
+    return [times[key] for key in keys]
 
 
 def family_table(times: list[CompileTime]) -> str:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
+from eagle_jax.engine.buckets import ExecutableKey
 from eagle_jax.engine.engine import Engine
 from eagle_jax.engine.executables import TRACE_LOCK, jit_compile
 from eagle_jax.eval.recording import StepRecorder
@@ -35,10 +36,10 @@ from eagle_jax.eval.recording import StepRecorder
 PERTURB_KINDS = ("none", "weight-noise", "flip-token")
 
 
-def eager_compile(name: str, fn: Callable, example_args: tuple,
+def eager_compile(key: ExecutableKey, fn: Callable, example_args: tuple,
                   donate_argnums: tuple[int, ...]) -> Callable:
     """A ``CompileFn`` whose executables run ``fn``'s equations one by one."""
-    del name, donate_argnums  # donation means nothing without an executable to alias in
+    del key, donate_argnums  # donation means nothing without an executable to alias in
     with TRACE_LOCK:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
     run_equations = jaxpr_as_fun(closed)
@@ -101,8 +102,8 @@ def perturbed_compile(perturb: str, scale: float) -> Callable:
 
         return wrapped
 
-    def compile_fn(name, fn, example_args, donate_argnums):
-        return jit_compile(name, faulty(fn) if name == "step" else fn, example_args,
+    def compile_fn(key, fn, example_args, donate_argnums):
+        return jit_compile(key, faulty(fn) if key.name == "step" else fn, example_args,
                            donate_argnums)
 
     return compile_fn

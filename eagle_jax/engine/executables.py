@@ -3,10 +3,11 @@
 ``CompileFn`` is the seam through which the engine turns each of its pure functions into
 an executable:
 
-    compile_fn(name, fn, example_args, donate_argnums) -> callable
+    compile_fn(key, fn, example_args, donate_argnums) -> callable
 
-``name`` is the key's kind ("step", "prefill", "catch_up", "update_slots" or "score",
-``buckets``); ``example_args`` are arrays or ShapeDtypeStructs of the call's shapes. The
+``key`` is the ``buckets.ExecutableKey`` compiled (``key.name`` its kind: "step",
+"prefill", "catch_up", "update_slots" or "score"); ``example_args`` are arrays or
+ShapeDtypeStructs of the call's shapes. The
 default (``jit_compile``) jits, lowers and compiles; the comparison tool
 (``eagle_jax.compare``) passes one that runs the same function op by op, or wraps it
 before jitting. With ``jit_compile`` the engine goes through the executable store
@@ -36,7 +37,7 @@ from eagle_jax.engine.host_inputs import HostLayout
 
 logger = logging.getLogger("eagle_jax.engine")
 
-CompileFn = Callable[[str, Callable, tuple, tuple[int, ...]], Callable]
+CompileFn = Callable[[ExecutableKey, Callable, tuple, tuple[int, ...]], Callable]
 
 # ``precompile`` runs compiles in threads; every ``CompileFn`` traces under this lock.
 # JAX's tracing is not thread-safe (a module it imports on first use registers effect
@@ -56,7 +57,7 @@ def enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-def jit_compile(name: str, fn: Callable, example_args: tuple,
+def jit_compile(key: ExecutableKey, fn: Callable, example_args: tuple,
                 donate_argnums: tuple[int, ...]) -> Callable:
     """The serving ``CompileFn``: one XLA executable, the donated buffers updated in place.
 
@@ -64,7 +65,7 @@ def jit_compile(name: str, fn: Callable, example_args: tuple,
     ``example_args``: prompt chunks, slot changes, page-table updates) travel packed in
     one buffer (``HostLayout``), one host-to-device copy per call instead of one per
     field; the returned callable takes them as ``fn`` does."""
-    del name
+    del key
     signature = CallSignature.of(example_args)
     return signature.wrap(signature.lower(fn, example_args, donate_argnums).compile())
 
@@ -200,7 +201,7 @@ class ExecutableCache:
         if self._store is not None and not (isinstance(key, StepKey) and key.constrained):
             executable = self._store.load_or_compile(key, fn, example_args, donate_argnums)
         else:
-            executable = self._compile_fn(key.name, fn, example_args, donate_argnums)
+            executable = self._compile_fn(key, fn, example_args, donate_argnums)
         self._compiled[key] = executable
         return executable
 

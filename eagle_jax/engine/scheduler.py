@@ -231,14 +231,8 @@ class Scheduler:
         consecutive ones as it needs (its last names the slot; the others write no slot
         state). Advances each request's prefilled length; a request's last chunk ends
         its prefill."""
-        zeros = np.zeros((num,), np.int32)
-        chunks = PrefillChunks(
-            slot=np.full((num,), self.num_slots, np.int32),
-            page_row=np.zeros((num, self.kv.allocator.max_pages_per_owner), np.int32),
-            tokens=np.zeros((num, size), np.int32), start=zeros, length=zeros.copy(),
-            next_token=zeros.copy(), is_last=np.zeros((num,), bool),
-            sample_next=np.zeros((num,), bool), draft_col=np.full((num,), -1, np.int32),
-            draft_page=zeros.copy())
+        chunks = PrefillChunks.padding(num, size, self.num_slots,
+                                       self.kv.allocator.max_pages_per_owner)
         i = 0
         for req in reqs:
             tokens, known, start = req.known_tokens(), req.prefill_len, req.seq_len

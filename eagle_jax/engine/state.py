@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle_jax.models.layers import KVCache, KVPages
 from eagle_jax.sampling import MAX_LOGPROBS, SamplingRows
@@ -129,6 +130,18 @@ class PrefillChunks(NamedTuple):
     sample_next: Array  # bool
     draft_col: Array  # i32
     draft_page: Array  # i32
+
+    @classmethod
+    def padding(cls, num: int, size: int, num_slots: int, max_pages: int) -> "PrefillChunks":
+        """``num`` padding chunks of ``size`` positions (host arrays, slot ``num_slots`` =
+        B_max, length 0): a prefill of them writes nothing."""
+        zeros = np.zeros((num,), np.int32)
+        return cls(slot=np.full((num,), num_slots, np.int32),
+                   page_row=np.zeros((num, max_pages), np.int32),
+                   tokens=np.zeros((num, size), np.int32), start=zeros, length=zeros.copy(),
+                   next_token=zeros.copy(), is_last=np.zeros((num,), bool),
+                   sample_next=np.zeros((num,), bool),
+                   draft_col=np.full((num,), -1, np.int32), draft_page=zeros.copy())
 
     def lead(self, page_size: int) -> Array:
         """[L] bool: the chunk starts right after its request's boundary page."""
