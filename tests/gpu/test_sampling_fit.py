@@ -94,11 +94,12 @@ def test_tree_two_tokens_follow_the_target(monkeypatch, verify, temperature, top
   assert np.mean(np.asarray(acc1) >= 2) > 0.1  # paths reach the levels the ranking cut
 
 
-# The engine end to end, at a fixed draft length (the GPU's default, adaptive lengths,
-# compiles many more executables).
+# The engine end to end, at a fixed draft length and up to 4 prompt chunks per forward
+# (the GPU's defaults, adaptive lengths and 16 chunks, compile many more executables).
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, 6, 0.9)])
 def test_engine_two_tokens_follow_the_target(pair, monkeypatch, temperature, top_k, top_p):  # noqa: F811
   monkeypatch.setitem(test_engine_sampling.ENGINE, "speculative_policy", "fixed")
+  monkeypatch.setitem(test_engine_sampling.ENGINE, "max_num_partial_prefills", 4)
   engine, counts, expected = test_engine_sampling._sample(
       pair, "probabilistic", temperature, top_k, top_p)
   pvalue, stat, dof = test_engine_sampling.chi_square_pvalue(counts.ravel(), expected.ravel())
