@@ -121,8 +121,37 @@ def test_fp8_step_exports_for_rocm(fp8_engine, target, fp8, mlir):
                    target).mlir_module()
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     fp8_dots = [line for line in dots if mlir in line]
-    # q/k/v, o, gate/up and down of each of the 4 layers, in the verify forward at least.
-    assert len(fp8_dots) >= 4 * 4, len(fp8_dots)
+    # q/k/v, o, gate/up and down in the layer function (models.decoder.run_layers) that
+    # each of the 4 layers of the verify forward calls.
+    assert len(fp8_dots) >= 4, len(fp8_dots)
+    assert text.count("call @_shared_layer(") >= 4
     other = "f8E4M3FNUZ>" if mlir == "f8E4M3FN>" else "f8E4M3FN>"
     assert not any(other in line for line in dots)
     assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") >= 3 + 2 + 3 + 1
+
+
+def test_the_shared_layer_function_is_traced_per_kernel_lowering(engine):
+    """Every decoder layer calls one jitted layer function whose traces JAX caches
+    (models.decoder.run_layers): a trace made for the CPU's interpreted kernels must not
+    serve a Triton export (nor one for gfx950 an export for sm_90), and the CPU run
+    after an export still interprets. The step runs on the CPU, exports for two
+    targets, and runs again."""
+    import jax
+    import numpy as np
+
+    def run_step():
+        runner = engine.runner
+        runner.state, out = runner.executables[runner.menu.ready_set()[0]](
+            *runner.step_inputs())
+        return jax.device_get(out.num_tokens)
+
+    np.testing.assert_array_equal(run_step(), 0)  # every row inactive: nothing committed
+    counts = {}
+    for platform, target in (("rocm", "gfx950"), ("cuda", "sm_90")):
+        text = _export_step(engine, platform, target).mlir_module()
+        layer = text[text.index("func.func private @_shared_layer"):]
+        layer = layer[:layer.index("\n  }")]
+        assert "paged_attention" in layer and TRITON_CUSTOM_CALL in layer, target
+        counts[target] = layer
+    assert counts["gfx950"] != counts["sm_90"]  # each tuned for its own GPU
+    np.testing.assert_array_equal(run_step(), 0)

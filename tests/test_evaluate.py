@@ -15,6 +15,8 @@ from eagle_jax.eval import evaluate as ev
 from eagle_jax.eval.dataset import load_dataset
 from eagle_jax.sampling import SamplingParams
 
+from .multidevice import FAST_COMPILE_FLAGS
+
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=3, batch_buckets=(3,),
               prefill_buckets=(32,), compilation_cache_dir="")
 PROMPTS = [
@@ -145,7 +147,7 @@ def test_evaluate_at_data_parallel_2_equals_one_engine(pair, tmp_path):
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     assert ev.main(args + ["--json", str(one)]) == 0
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     child = subprocess.run(
         [sys.executable, "scripts/evaluate.py", *args, "--data-parallel-size", "2",

@@ -80,6 +80,13 @@ def compiled_kernels(target: str | None = None):
     _FORCE_COMPILED, _FORCED_TARGET = previous
 
 
+def lowering_context() -> tuple[bool, str | None]:
+  """What a traced kernel depends on besides its arguments (``compiled_kernels``'s
+  setting): a cache of traced functions that call kernels keys by it too, or a function
+  traced for an interpreted run would be reused in a Triton export, or the other way."""
+  return _FORCE_COMPILED, _FORCED_TARGET
+
+
 def gpu_target(name: str) -> GpuTarget:
   """The entry of GPU_TARGETS named ``name``; ValueError for another name."""
   if name not in GPU_TARGETS:

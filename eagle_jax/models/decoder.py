@@ -25,6 +25,7 @@ from eagle_jax.config import ModelConfig, read_json, resolve_dtype
 from eagle_jax.fp8 import Fp8Spec, fp8_dtype
 from eagle_jax.fp8_checkpoint import (
     Fp8Loader, checkpoint_layout, on_the_fly_spec, quantization_config, spec_from_config)
+from eagle_jax.kernels._common import lowering_context
 from eagle_jax.models.layers import (
     MLP,
     Attention,
@@ -76,15 +77,19 @@ class DecoderLayer(nnx.Module):
         return x, cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _shared_layer(graphdef: nnx.GraphDef, tail: tuple[int, int], state, x, positions,
-                  k_pool, v_pool, page_table, inv_freq, slots, kv_len, q_len, block_mask):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _shared_layer(graphdef: nnx.GraphDef, tail: tuple[int, int], kernel_context: tuple,
+                  state, x, positions, k_pool, v_pool, page_table, inv_freq, slots, kv_len,
+                  q_len, block_mask):
     """One decoder layer over its own pool, as one jitted function that every layer of
     the stack calls: JAX traces and lowers it once per shape (the call's jaxpr and its
     lowered function are cached), and XLA inlines the calls, so the compiled program is
     the unrolled stack's. ``k_pool`` / ``v_pool``: the layer's [P, page_size, K, D]
     (None without a cache); ``tail``: ``AttentionBatch``'s static (tail_rows,
-    tail_blocks). Returns (x, k_pool, v_pool)."""
+    tail_blocks); ``kernel_context``: ``kernels._common.lowering_context()``, unused but
+    as the trace cache's key (the attention kernel reads it while tracing). Returns (x,
+    k_pool, v_pool)."""
+    del kernel_context
     layer = nnx.merge(graphdef, state)
     if k_pool is None:
         return layer(x, positions, None, 0, inv_freq, None)[0], None, None
@@ -109,7 +114,7 @@ def run_layers(layers: Sequence[DecoderLayer], x: Array, positions: Array,
         if i in capture:
             captured[i] = x
         graphdef, state = nnx.split(layer)
-        x, k, v = _shared_layer(graphdef, tail, state, x, positions,
+        x, k, v = _shared_layer(graphdef, tail, lowering_context(), state, x, positions,
                                 None if cache is None else k_pools[i],
                                 None if cache is None else v_pools[i], table, inv_freq,
                                 *arrays)
