@@ -213,8 +213,11 @@ def test_pool_plan_keeps_within_the_attention_kernels_page_limit():
 
 # ----------------------------------------------------------------------------- engine
 
+# Executables compile on first use (precompile=False): a test's requests run a few of
+# the bucket menu's, and compiling the rest first was most of the file's time.
 BASE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, batch_buckets=(4,),
-            prefill_buckets=(16,), compilation_cache_dir="", num_steps=3, page_size=4)
+            prefill_buckets=(16,), compilation_cache_dir="", num_steps=3, page_size=4,
+            precompile=False)
 
 
 @pytest.fixture(scope="module")
@@ -541,7 +544,7 @@ def test_a_prefix_cache_hit_gives_identical_greedy_output_and_accept_lengths(alg
             model=DEFAULT_TARGET, draft_model=DEFAULT_DRAFT if algo == "EAGLE3" else None,
             speculative_algorithm=algo, dtype="float32", max_model_len=192, max_num_seqs=2,
             batch_buckets=(2,), prefill_buckets=(32,), compilation_cache_dir="",
-            enable_prefix_caching=caching,
+            enable_prefix_caching=caching, precompile=False,
             **(dict(speculative_eagle_topk=3, num_draft_tokens=8) if tree else {})))
         accepts = _accept_lengths(engine)
         tokens, cached = {}, {}
@@ -599,7 +602,7 @@ def test_a_boundary_hit_carried_by_decode_steps_keeps_the_drafts_rows(tree):
             model=DEFAULT_TARGET, draft_model=DEFAULT_DRAFT, speculative_algorithm="EAGLE3",
             dtype="float32", max_model_len=192, max_num_seqs=2, batch_buckets=(2,),
             prefill_buckets=(32,), max_num_batched_tokens=64, compilation_cache_dir="",
-            enable_prefix_caching=caching,
+            enable_prefix_caching=caching, precompile=False,
             **(dict(speculative_eagle_topk=3, num_draft_tokens=8) if tree else {})))
         accepts = _accept_lengths(engine)
         tokens, cached = _run(engine, [("first", first, greedy)])
@@ -643,7 +646,7 @@ def test_decode_steps_keep_the_targets_feature_at_each_page_end(tree):
         engine = Engine(EngineConfig(
             model=DEFAULT_TARGET, draft_model=DEFAULT_DRAFT, speculative_algorithm="EAGLE3",
             dtype="float32", max_model_len=192, max_num_seqs=2, batch_buckets=(2,),
-            prefill_buckets=(32,), compilation_cache_dir="",
+            prefill_buckets=(32,), compilation_cache_dir="", precompile=False,
             **(dict(speculative_eagle_topk=3, num_draft_tokens=8) if tree else {})))
         engine.state = engine.state._replace(
             boundary_features=jnp.full_like(engine.state.boundary_features, jnp.nan))
