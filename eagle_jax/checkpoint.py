@@ -191,9 +191,9 @@ class CheckpointReader:
         return self._files[self._where[name]].dtype(name)
 
     def get(self, name: str, expected_shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The tensor (in memory if ``prefetching`` read it, else a view of its file's
-        memory map); CheckpointError naming the file and tensor when it is absent or of
-        another shape than ``expected_shape``."""
+        """The tensor, a view of its file's memory map (within ``prefetching``, once its
+        read was asked for); CheckpointError naming the file and tensor when it is absent
+        or of another shape than ``expected_shape``."""
         if name not in self._where:
             shape = f"; expected shape {tuple(expected_shape)}" if expected_shape else ""
             raise CheckpointError(f"checkpoint {self.model_dir} lacks tensor {name!r}{shape}")

@@ -7,11 +7,11 @@ an executable:
 
 ``key`` is the ``buckets.ExecutableKey`` compiled (``key.name`` its kind: "step",
 "prefill", "catch_up", "update_slots" or "score"); ``example_args`` are arrays or
-ShapeDtypeStructs of the call's shapes. The
-default (``jit_compile``) jits, lowers and compiles; the comparison tool
-(``eagle_jax.compare``) passes one that runs the same function op by op, or wraps it
-before jitting. With ``jit_compile`` the engine goes through the executable store
-instead (``executable_store``: the same compile, kept on disk between starts).
+ShapeDtypeStructs of the call's shapes. The default (``jit_compile``) jits, lowers and
+compiles; the comparison tool (``eagle_jax.compare``) passes one that runs the same
+function op by op, or wraps it before jitting. With ``jit_compile`` the engine goes
+through the executable store instead (``executable_store``: the same compile, kept on
+disk between starts).
 
 ``ExecutableCache`` holds them by key: compiled on first use, all at start-up
 (``precompile``), or a ready set at start-up and the rest in background threads
