@@ -17,8 +17,10 @@ from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.executables import jit_compile
 
 # One batch bucket and one prefill chunk keep compiles few; engines are shared per module.
+# Executables compile on first use (a test that times or counts compiles says
+# precompile=True): the requests here run a few of the bucket menu's.
 BASE = dict(dtype="float32", max_model_len=96, max_num_seqs=4, batch_buckets=(4,),
-            prefill_buckets=(32,), compilation_cache_dir="", num_steps=3)
+            prefill_buckets=(32,), compilation_cache_dir="", num_steps=3, precompile=False)
 # A draft tree: 3 children per expanded node, 3 levels, root + 11 nodes verified.
 TREE = dict(speculative_eagle_topk=3, num_draft_tokens=12)
 
@@ -194,7 +196,7 @@ def test_draft_extend_projects_one_row_and_draft_never_runs_target_code(models, 
 
     monkeypatch.setattr(draft_mod._DraftBase, "select_logits", select_spy)
     monkeypatch.setattr(Decoder, "__call__", forward_spy)
-    eng = _new_engine(models, "EAGLE3", precompile=False)
+    eng = _new_engine(models, "EAGLE3")
     _run(eng, [(0, "a", _prompts(1, lo=35, hi=36)[0],
                 SamplingParams(temperature=0, max_tokens=8))])
     steps = [s for s in seen if s[0] == (4, 4, s[0][2])]  # the step: B = 4, window S+1 = 4
@@ -272,7 +274,7 @@ def test_first_token_returns_before_its_first_decode_step_is_dispatched(models, 
         lambda name, args: calls.append(name),
         lambda name, out: prefilled.append(out[1].token) if name == "prefill" else None)
     engine = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
-                                 **{**BASE, "precompile": False}), compile_fn=compile_fn)
+                                 **BASE), compile_fn=compile_fn)
     prompt = _prompts(1, seed=43)[0]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine.add_request("a", prompt, params)
@@ -296,7 +298,7 @@ def test_slot_changes_ride_in_the_next_dispatch(models, engines):
     dispatch before it. The outputs stay the target's greedy tokens."""
     calls = collections.Counter()
     engine = Engine(EngineConfig(model=models["target"], speculative_algorithm="NONE",
-                                 **{**BASE, "precompile": False}),
+                                 **BASE),
                     compile_fn=_call_recording(lambda name, args: calls.update([name])))
     def greedy(n):
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
