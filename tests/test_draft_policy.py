@@ -152,7 +152,7 @@ def _adaptive(models, algo="EAGLE3", lengths=LENGTHS, **kw):
     draft = models["eagle3" if algo == "EAGLE3" else "eagle1"]
     return Engine(EngineConfig(model=models["target"], draft_model=draft,
                                speculative_algorithm=algo, speculative_policy="adaptive",
-                               draft_lengths=lengths, precompile=False, **{**BASE, **kw}))
+                               draft_lengths=lengths, **{**BASE, **kw}))
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +286,7 @@ def test_caught_up_draft_equals_a_prefill_of_the_same_tokens(models, eagle3):
 
     ref = Engine(EngineConfig(model=models["target"], draft_model=models["eagle3"],
                               speculative_algorithm="EAGLE3", enable_prefix_caching=False,
-                              precompile=False, **BASE))
+                              **BASE))
     ref.add_request("prefill", tokens[:caught_up], SamplingParams(temperature=0.0,
                                                                   max_tokens=1))
     first = [t for o in ref.step() for t in o.new_token_ids]
