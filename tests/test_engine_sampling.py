@@ -18,12 +18,15 @@ false-alarm rate ALPHA per case.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.engine import Engine, EngineConfig
+from eagle_jax.engine import Engine, EngineConfig, SpecDecodeStats
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.models.decoder import load_decoder
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
@@ -35,10 +38,13 @@ NUM_REQUESTS = 4000
 ALPHA = 1e-3
 # The engine of every case (tests/test_tensor_parallel.py runs it at tensor-parallel 2).
 # Prompts ride in decode steps 16 at a time (the GPU's default; the CPU's, 1, would take
-# a step per request, 2.5x the run time here).
+# a step per request): a budget of 1280 tokens holds the 64 rows of 4 and 16 lanes of 64
+# positions (at the default 512, 4 lanes: 4.3 requests a step against 15). Executables
+# compile as the cases first use them.
 ENGINE = dict(speculative_algorithm="EAGLE3", num_steps=3, dtype="float32", max_model_len=32,
               max_num_seqs=64, batch_buckets=(64,), prefill_buckets=(8,),
-              max_num_partial_prefills=16, compilation_cache_dir="")
+              max_num_partial_prefills=16, max_num_batched_tokens=1280, precompile=False,
+              compilation_cache_dir="")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +58,14 @@ def pair(tmp_path_factory):
                                init_std=0.25, seed=3)
     draft = write_tiny_eagle3_draft(str(root / "draft"), target, seed=4, init_std=0.25)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One engine per configuration, built on first use: cases that differ only in the
+    requests' temperature, top-k and top-p (per-request tensors, as in serving) share
+    it, so each configuration compiles once."""
+    return {}
 
 
 def _exact_joint(target_dir, temperature, top_k, top_p):
@@ -85,22 +99,36 @@ def chi_square_pvalue(counts, expected):
     return float(jax.scipy.special.gammaincc(dof / 2.0, stat / 2.0)), stat, dof
 
 
-def _run(pair, method, temperature, top_k, top_p, max_tokens, hook=None, switching=False):
-    """NUM_REQUESTS requests of PROMPT with distinct seeds -> (engine, {id: tokens}).
+def _run(pair, engines, method, temperature, top_k, top_p, max_tokens, hook=None,
+         switching=False):
+    """NUM_REQUESTS requests of PROMPT with distinct seeds through the ``engines`` entry
+    of this configuration -> (its counters for these requests, {id: tokens}).
     ``switching``: each step drafts a length drawn at random from 0 to 3."""
     target, draft = pair
-    lengths = dict(speculative_policy="adaptive", draft_lengths=(0, 1, 2, 3),
-                   precompile=False) if switching else {}
-    engine = Engine(EngineConfig(model=target, draft_model=draft, draft_sample_method=method,
-                                 **ENGINE, **lengths), draft_probs_hook=hook)
-    if switching:
-        from .test_draft_policy import ScriptedLengths
+    lengths = dict(speculative_policy="adaptive", draft_lengths=(0, 1, 2, 3)
+                   ) if switching else {}
+    config = EngineConfig(model=target, draft_model=draft, draft_sample_method=method,
+                          **ENGINE, **lengths)
+    engine = engines.get((config, hook))
+    if engine is None:
+        engine = engines[config, hook] = Engine(config, draft_probs_hook=hook)
+        if switching:
+            from .test_draft_policy import ScriptedLengths
 
-        engine.draft_policy = ScriptedLengths((0, 1, 2, 3), seed=7)
+            engine.draft_policy = ScriptedLengths((0, 1, 2, 3), seed=7)
+    before = copy.deepcopy(engine.stats)
     out = sample_prompt(engine, PROMPT, NUM_REQUESTS, max_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p)
     assert len(out) == NUM_REQUESTS and all(len(v) == max_tokens for v in out.values())
-    return engine, out
+    return stats_since(before, engine.stats), out
+
+
+def stats_since(before: SpecDecodeStats, after: SpecDecodeStats) -> SpecDecodeStats:
+    """The counts of ``after`` less those of ``before``."""
+    def less(a, b):
+        return [x - y for x, y in zip(a, b)] if isinstance(a, list) else a - b
+    return SpecDecodeStats(**{f.name: less(getattr(after, f.name), getattr(before, f.name))
+                              for f in dataclasses.fields(SpecDecodeStats)})
 
 
 def fit_counts(target_dir, out, temperature, top_k, top_p):
@@ -114,9 +142,9 @@ def fit_counts(target_dir, out, temperature, top_k, top_p):
     return counts, expected
 
 
-def _sample(pair, method, temperature, top_k, top_p, hook=None, switching=False):
-    engine, out = _run(pair, method, temperature, top_k, top_p, 3, hook, switching)
-    return (engine, *fit_counts(pair[0], out, temperature, top_k, top_p))
+def _sample(pair, engines, method, temperature, top_k, top_p, hook=None, switching=False):
+    stats, out = _run(pair, engines, method, temperature, top_k, top_p, 3, hook, switching)
+    return (stats, *fit_counts(pair[0], out, temperature, top_k, top_p))
 
 
 @pytest.mark.parametrize("method, temperature, top_k, top_p, switching", [
@@ -128,22 +156,32 @@ def _sample(pair, method, temperature, top_k, top_p, hook=None, switching=False)
     # different lengths, the target's step alone among them.
     ("probabilistic", 0.7, 6, 0.9, True),
 ])
-def test_sampled_tokens_follow_the_target(pair, method, temperature, top_k, top_p, switching):
-    engine, counts, expected = _sample(pair, method, temperature, top_k, top_p,
-                                       switching=switching)
+def test_sampled_tokens_follow_the_target(pair, engines, method, temperature, top_k, top_p,
+                                          switching):
+    s, counts, expected = _sample(pair, engines, method, temperature, top_k, top_p,
+                                  switching=switching)
     pvalue, stat, dof = chi_square_pvalue(counts.ravel(), expected.ravel())
     assert pvalue > ALPHA, (stat, dof, pvalue)
     # The step both accepted and rejected draft tokens, so both paths were exercised.
-    s = engine.stats
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     # Tokens the filters remove never appear.
     assert counts[expected == 0].sum() == 0
 
 
-def test_the_fit_test_detects_a_biased_sampler(pair):
+def halved(q):
+    """A wrong accept rule's q (min(1, 2p / q): draft tokens accepted too often)."""
+    return q * 0.5
+
+
+def inflated(q):
+    """A wrong accept rule's q (min(1, p / 1.3q): draft tokens accepted too rarely)."""
+    return q * 1.3
+
+
+def test_the_fit_test_detects_a_biased_sampler(pair, engines):
     """The same test on a deliberately wrong accept rule (q halved: over-acceptance of
     draft tokens) must reject: the test has power, it is not vacuous."""
-    _, counts, expected = _sample(pair, "probabilistic", 1.0, -1, 1.0, hook=lambda q: q * 0.5)
+    _, counts, expected = _sample(pair, engines, "probabilistic", 1.0, -1, 1.0, hook=halved)
     pvalue, _, _ = chi_square_pvalue(counts.ravel(), expected.ravel())
     assert pvalue < ALPHA
 
@@ -175,7 +213,7 @@ def _first_draft_acceptance(target_dir, draft_dir, method):
 
 
 @pytest.mark.parametrize("method", ["greedy", "probabilistic"])
-def test_first_draft_token_is_accepted_at_the_optimal_rate(pair, method):
+def test_first_draft_token_is_accepted_at_the_optimal_rate(pair, engines, method):
     """Rejection sampling accepts a token drawn from q with probability sum_x min(p, q),
     the most any exact sampler can. A sampler that accepted less and made up for it in
     the residual would still pass the fit test above, and so would drafting from a stale
@@ -183,8 +221,7 @@ def test_first_draft_token_is_accepted_at_the_optimal_rate(pair, method):
     (max_tokens 2): the observed first-position acceptance of NUM_REQUESTS drafts is
     checked against the exact rate at two-sided false-alarm rate ALPHA (normal
     approximation of the binomial, z = 3.29)."""
-    engine, _ = _run(pair, method, 1.0, -1, 1.0, 2)
-    s = engine.stats
+    s, _ = _run(pair, engines, method, 1.0, -1, 1.0, 2)
     assert s.num_drafts == NUM_REQUESTS
     rate = _first_draft_acceptance(*pair, method)
     observed = s.accepted_per_pos[0] / s.num_drafts
@@ -193,10 +230,10 @@ def test_first_draft_token_is_accepted_at_the_optimal_rate(pair, method):
     assert abs(observed - rate) < tol, (observed, rate, tol)
 
 
-def test_the_rate_test_detects_an_under_accepting_sampler(pair):
+def test_the_rate_test_detects_an_under_accepting_sampler(pair, engines):
     """q scaled by 1.3 in the accept test (accepting with min(1, p / 1.3q)) lowers the
     first-position rate by more than the tolerance above: that test has power."""
-    engine, _ = _run(pair, "probabilistic", 1.0, -1, 1.0, 2, hook=lambda q: q * 1.3)
+    s, _ = _run(pair, engines, "probabilistic", 1.0, -1, 1.0, 2, hook=inflated)
     rate = _first_draft_acceptance(*pair, "probabilistic")
-    observed = engine.stats.accepted_per_pos[0] / engine.stats.num_drafts
+    observed = s.accepted_per_pos[0] / s.num_drafts
     assert rate - observed > 3.29 * np.sqrt(rate * (1 - rate) / NUM_REQUESTS), (observed, rate)

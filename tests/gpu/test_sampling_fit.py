@@ -27,7 +27,7 @@ from eagle_jax.kernels.tree_sampler import tree_speculative_sample
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
 from eagle_jax.testutil.stats import chi2_pvalue
 from tests import test_draft_tree, test_engine_sampling, test_kernels_sampler
-from tests.test_engine_sampling import pair  # noqa: F401  (the 16-token pair fixture)
+from tests.test_engine_sampling import engines, pair  # noqa: F401  (the 16-token pair, its engines)
 
 pytestmark = pytest.mark.gpu
 ALPHA = 1e-3
@@ -97,14 +97,14 @@ def test_tree_two_tokens_follow_the_target(monkeypatch, verify, temperature, top
 # The engine end to end, at a fixed draft length and up to 4 prompt chunks per forward
 # (the GPU's defaults, adaptive lengths and 16 chunks, compile many more executables).
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, 6, 0.9)])
-def test_engine_two_tokens_follow_the_target(pair, monkeypatch, temperature, top_k, top_p):  # noqa: F811
+def test_engine_two_tokens_follow_the_target(  # noqa: F811
+    pair, engines, monkeypatch, temperature, top_k, top_p):
   monkeypatch.setitem(test_engine_sampling.ENGINE, "speculative_policy", "fixed")
   monkeypatch.setitem(test_engine_sampling.ENGINE, "max_num_partial_prefills", 4)
-  engine, counts, expected = test_engine_sampling._sample(
-      pair, "probabilistic", temperature, top_k, top_p)
+  s, counts, expected = test_engine_sampling._sample(
+      pair, engines, "probabilistic", temperature, top_k, top_p)
   pvalue, stat, dof = test_engine_sampling.chi_square_pvalue(counts.ravel(), expected.ravel())
   assert pvalue > ALPHA, (stat, dof, pvalue)
-  s = engine.stats
   assert 0 < s.num_accepted_tokens < s.num_draft_tokens
   assert s.num_malformed_draft_probs == 0 and s.num_sampler_fallbacks == 0
   assert counts[expected == 0].sum() == 0
