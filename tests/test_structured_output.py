@@ -15,6 +15,7 @@ OpenAI and vLLM fields, streams, and answers a bad schema with a 400.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import re
@@ -372,3 +373,44 @@ def test_without_the_grammar_engine_a_constraint_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises
     with pytest.raises(ValueError, match=r"pip install 'eagle_jax\[structured\]'"):
         grammar.import_xgrammar()
+
+
+def test_step_listeners_get_every_step_a_call_collects(spec):
+    """A constrained step is read in the call that dispatches it, behind the free step
+    in flight (async scheduling): that call collects two steps, and step listeners (the
+    evaluation's per-step records) get an event for each, with the outputs each gave."""
+    engine = spec.engine
+    events, returned, calls = [], [], 0
+
+    def listener(event):
+        events.append(event)
+
+    def step():
+        nonlocal calls
+        calls += 1
+        returned.extend(engine.step())
+
+    before = copy.deepcopy(engine.stats)
+    engine.add_step_listener(listener)
+    try:
+        engine.add_request("free", spec.tokenizer.encode("def fibonacci(n):"),
+                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        while not any(o.request_id == "free" and o.new_token_ids for o in returned):
+            step()
+        step()  # the free request's next step, in flight
+        engine.add_request("json", spec.tokenizer.encode(CONSTRAINTS["json"][1]),
+                           SamplingParams(temperature=0, max_tokens=24,
+                                          structured=CONSTRAINTS["json"][0]))
+        while engine.has_unfinished_requests():
+            step()
+    finally:
+        engine.remove_step_listener(listener)
+    stats = engine.stats
+    collected = [e for e in events if e.output is not None]
+    assert len(events) > calls  # a call collected two steps
+    assert len(collected) == stats.num_steps - before.num_steps
+    assert [e.step for e in collected] == list(range(before.num_steps + 1,
+                                                     stats.num_steps + 1))
+    assert sum(int(e.output.num_tokens[list(e.rows)].sum()) for e in collected) == (
+        stats.num_emitted_tokens - before.num_emitted_tokens)
+    assert [id(o) for e in events for o in e.outputs] == [id(o) for o in returned]

@@ -226,18 +226,21 @@ class Engine:
         # H200: docs/history/2026-12-03-issue-14-prefix-caching.md).
         if not any(o.new_token_ids for o in prefilled):
             plan = self.scheduler.plan_step(carried)
-        host, rows, launched = None, {}, None
+        events, launched = [], None
         for launched in self._steps_to_read(self._dispatch(plan) if plan else None):
             host = jax.device_get(launched.output)
             collected, rows = self.scheduler.update_from_output(launched.plan, host)
             self._counter.count_step(host, rows, launched.plan.key.draft_length,
                                      self.draft_policy)
+            # The call's earlier outputs (its prefills') go with its first event.
+            events.append(StepEvent(self.stats.num_steps, host, rows,
+                                    collected if events else outputs + collected))
             outputs += collected
         self._timer.observe(self.draft_policy, launched and launched.plan,
                             ran_prefill=self.num_prefill_runs > prefill_runs)
-        event = StepEvent(self.stats.num_steps, host, rows, outputs)
-        for listener in self._step_listeners:
-            listener(event)
+        for event in events or [StepEvent(self.stats.num_steps, None, {}, outputs)]:
+            for listener in self._step_listeners:
+                listener(event)
         return outputs
 
     def _steps_to_read(self, launched: InFlightStep | None) -> list[InFlightStep]:
@@ -279,10 +282,11 @@ class Engine:
         return InFlightStep(plan, self.runner.run_step(plan))
 
     def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
-        """Calls ``listener(StepEvent)`` at the end of every ``step()``: what the step
-        collected from the device (host arrays) and the outputs it returns. For
-        observers (evaluation records, the comparison tool); it must not drive the
-        engine."""
+        """Calls ``listener(StepEvent)`` at the end of every ``step()``, once for each
+        decode step it collected from the device (host arrays, with the outputs that
+        step gave; two when a constrained step is read at once behind the one in
+        flight), or once with none. For observers (evaluation records, the comparison
+        tool); it must not drive the engine."""
         self._step_listeners.append(listener)
 
     def remove_step_listener(self, listener: Callable[[StepEvent], None]) -> None:

@@ -121,16 +121,18 @@ class SchedulerStats:
 
 
 class StepEvent(NamedTuple):
-    """What one ``Engine.step()`` did, for step listeners (``Engine.add_step_listener``).
+    """A decode step an ``Engine.step()`` call collected, for step listeners
+    (``Engine.add_step_listener``): one event per collected step, or one with ``output``
+    None for a call that collected none.
 
-    ``output`` is the host copy of the decode step collected in this call (the engine's
-    ``StepOutput``: tokens [B, W], num_tokens, accept_len, num_malformed, num_fallback,
-    ...), or None when no decode step was collected; ``rows`` maps each slot live in that
-    step to its request id (the slots index ``output``'s rows); ``outputs`` are the
-    RequestOutputs ``step()`` returns.
+    ``output`` is the step's host copy (the engine's ``StepOutput``: tokens [B, W],
+    num_tokens, accept_len, num_malformed, num_fallback, ...); ``rows`` maps each slot
+    live in that step to its request id (the slots index ``output``'s rows);
+    ``outputs`` are the RequestOutputs it gave (the call's first event also carries
+    those of the call's prefills): a call's events together carry what it returns.
     """
 
-    step: int  # engine.stats.num_steps after this call
+    step: int  # engine.stats.num_steps once this step is counted
     output: Any
     rows: dict[int, str]
     outputs: list[RequestOutput]
