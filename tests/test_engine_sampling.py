@@ -19,14 +19,13 @@ false-alarm rate ALPHA per case.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.engine import Engine, EngineConfig, SpecDecodeStats
+from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.kernels.filters import sampling_probs
 from eagle_jax.models.decoder import load_decoder
 from eagle_jax.sampling import TOP_K_ALL, SamplingRows
@@ -120,15 +119,7 @@ def _run(pair, engines, method, temperature, top_k, top_p, max_tokens, hook=None
     out = sample_prompt(engine, PROMPT, NUM_REQUESTS, max_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p)
     assert len(out) == NUM_REQUESTS and all(len(v) == max_tokens for v in out.values())
-    return stats_since(before, engine.stats), out
-
-
-def stats_since(before: SpecDecodeStats, after: SpecDecodeStats) -> SpecDecodeStats:
-    """The counts of ``after`` less those of ``before``."""
-    def less(a, b):
-        return [x - y for x, y in zip(a, b)] if isinstance(a, list) else a - b
-    return SpecDecodeStats(**{f.name: less(getattr(after, f.name), getattr(before, f.name))
-                              for f in dataclasses.fields(SpecDecodeStats)})
+    return engine.stats.since(before), out
 
 
 def fit_counts(target_dir, out, temperature, top_k, top_p):

@@ -101,6 +101,16 @@ class SpecDecodeStats:
         """Fraction of the request-steps drafting position i that accepted it."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
 
+    def since(self, earlier: "SpecDecodeStats") -> "SpecDecodeStats":
+        """These counts less ``earlier``'s (a snapshot of the same counters: the counts
+        of the steps in between; a histogram entry it lacks counts from 0)."""
+        def less(now, then):
+            if isinstance(now, list):
+                return [a - (then[i] if i < len(then) else 0) for i, a in enumerate(now)]
+            return now - then
+        return SpecDecodeStats(**{f.name: less(getattr(self, f.name), getattr(earlier, f.name))
+                                  for f in dataclasses.fields(self)})
+
     @property
     def forecast_goodput(self) -> float | None:
         """The adaptive policy's expected committed tokens per second over its steps."""

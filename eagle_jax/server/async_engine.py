@@ -399,25 +399,16 @@ class AsyncEngine:
         if self.log_interval <= 0 or elapsed < self.log_interval:
             return
         stats = self.engine.stats
-        prev = self._log_stats or SpecDecodeStats()
+        interval = stats.since(self._log_stats or SpecDecodeStats())
         policy = ""
-
-        def since(name):
-            now_, then = getattr(stats, name), getattr(prev, name)
-            if isinstance(now_, list):
-                return [a - (then[i] if i < len(then) else 0) for i, a in enumerate(now_)]
-            return now_ - then
-
-        drafts, accepted = since("num_drafts"), since("num_accepted_tokens")
-        mean_len = 1.0 + accepted / drafts if drafts else 0.0
+        mean_len = interval.mean_accept_length
         per_pos_s = ", ".join(f"{a / d:.3f}" if d else "0" for a, d in
-                              zip(since("accepted_per_pos"), since("drafted_per_pos")))
-        if since("forecast_seconds") > 0:
+                              zip(interval.accepted_per_pos, interval.drafted_per_pos))
+        if interval.forecast_seconds > 0:
             lengths = " ".join(f"{s}:{n}" for s, n in
-                               enumerate(since("draft_length_steps")) if n)
+                               enumerate(interval.draft_length_steps) if n)
             policy = (f", steps per draft length: {lengths}, goodput forecast: "
-                      f"{since('forecast_tokens') / since('forecast_seconds'):.1f} "
-                      "tokens/s")
+                      f"{interval.forecast_goodput:.1f} tokens/s")
         self._log_stats = copy.deepcopy(stats)
         logger.info(
             "running: %d, waiting: %d, generation throughput: %.1f tokens/s, "
