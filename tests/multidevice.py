@@ -63,7 +63,12 @@ def run_engines_in_subprocess(target: str, draft: str, out_path: str, runs: list
 # The engines' steps are big programs that run a few times each: compiling them with
 # LLVM's cheaper passes takes a third off the XLA compile time, most of such a child's
 # (and of the whole CPU suite's: ``conftest.py`` sets them for the test processes too).
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA's older loop emitters in place of its MLIR fusion emitters take another quarter
+# off (the test pair's engine, 4 executables: 21.2 s to 15.4 s) for slower steps (1000
+# requests through a one-lane engine: 25 s to 40 s): test_draft_policy.py 166 s to 127 s,
+# test_engine_sampling.py, the suite's most run-bound file, 336 s to 369 s.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+                      " --xla_cpu_use_fusion_emitters=false")
 
 
 def run_data_parallel_in_subprocess(target: str, draft: str, out_path: str, runs: list, *,
