@@ -182,7 +182,13 @@ def quantize_activation(x: jax.Array, dtype, input_scale: jax.Array | None = Non
         if scale_ub is not None:
             amax = jnp.minimum(amax, scale_ub)
         scale = jnp.maximum(amax, MIN_SCALE) / top
-    return jnp.clip(xf / scale, -top, top).astype(dtype), scale
+    xs = jnp.clip(xf / scale, -top, top)
+    if np.dtype(dtype) == E4M3FNUZ:
+        # A negative that rounds to zero must become +0: fnuz has no -0, its bits 0x80
+        # are NaN, and XLA's elemental convert (the CPU's loop emitters) writes them.
+        tiny = float(ml_dtypes.finfo(E4M3FNUZ).smallest_subnormal) / 2
+        xs = jnp.where(jnp.abs(xs) <= tiny, 0.0, xs)
+    return xs.astype(dtype), scale
 
 
 def fp8_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array,

@@ -355,16 +355,18 @@ def test_nothing_is_stored_while_jaxs_cache_is_in_use(tmp_path, keep_jax_cache_d
 
 
 # ------------------------------------------------------------------------- warm-up
-def test_warm_up_runs_the_ready_set_and_changes_nothing(models):
+def test_warm_up_runs_the_ready_set_and_changes_nothing(models, tmp_path):
     """``startup.warm_up`` (run on a GPU before the engine says it is ready) runs the
     ready set through the runner's own dispatch on inputs that change nothing: over KV
     pools of random values, the pools, page tables, lengths, activity and sampling rows
     come back as they were, and the engine then generates what an engine that skipped
-    it generates, greedy and seeded sampling alike."""
+    it generates, greedy and seeded sampling alike. (The second engine loads the first's
+    executables from their store: compiled once, the same programs.)"""
     from eagle_jax.engine import startup
     from eagle_jax.models.layers import KVPages
 
-    engine = Engine(_config(models, precompile=False))
+    config = _config(models, precompile=False, compilation_cache_dir=str(tmp_path))
+    engine = Engine(config)
     runner = engine.runner
     rng = np.random.default_rng(0)
 
@@ -386,7 +388,7 @@ def test_warm_up_runs_the_ready_set_and_changes_nothing(models):
 
     prompts = _prompts(3, seed=5)
     sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
-    cold = Engine(_config(models, precompile=False))
+    cold = Engine(config)
     for e in (engine, cold):
         e.add_request("s", prompts[0], sampled)
     assert _generate(engine, prompts) == _generate(cold, prompts)

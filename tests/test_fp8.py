@@ -25,7 +25,8 @@ from flax import nnx
 from eagle_jax.checkpoint import CheckpointError, CheckpointReader, save_sharded
 from eagle_jax.config import ModelConfig
 from eagle_jax.fp8 import (
-    Fp8Spec, dequantize, fn_to_fnuz, fnuz_to_fn, fp8_dtype, fp8_linear, quantize_weight)
+    Fp8Spec, dequantize, fn_to_fnuz, fnuz_to_fn, fp8_dtype, fp8_linear, quantize_activation,
+    quantize_weight)
 from eagle_jax.models.decoder import Decoder, load_decoder, save_decoder
 from eagle_jax.models.layers import FusedLinear, Linear
 from eagle_jax.testutil.models import tiny_config
@@ -150,6 +151,26 @@ def test_fnuz_conversion_keeps_every_value():
     keep = finite & (np.arange(256) != 0x80)
     np.testing.assert_array_equal(back.view(np.uint8)[keep], fn.view(np.uint8)[keep])
     np.testing.assert_array_equal(back_scale, scale)
+
+
+@pytest.mark.parametrize("dtype", [FN, FNUZ])
+def test_activation_quantization_rounds_like_ml_dtypes(dtype):
+    """Jitted, every row's values / scale become the format's nearest value, as
+    ml_dtypes rounds them, including values far below the smallest subnormal of both
+    signs (a negative that rounds to zero is +0 in fnuz, whose 0x80 is NaN: XLA's CPU
+    loop emitters, the suite's, write 0x80)."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    x[:, :16] *= 1e-6  # under half the smallest subnormal once scaled
+    x[:, 0] = -0.0
+    x[0, 1] = -3e-7
+    xq, scale = jax.jit(quantize_activation, static_argnums=1)(jnp.asarray(x), dtype)
+    assert xq.dtype == dtype
+    scaled = np.clip(x / np.asarray(scale), -float(ml_dtypes.finfo(dtype).max),
+                     float(ml_dtypes.finfo(dtype).max))
+    expected = scaled.astype(dtype)
+    np.testing.assert_array_equal(np.asarray(xq).astype(np.float32), expected.astype(np.float32))
+    assert not np.isnan(np.asarray(xq).astype(np.float32)).any()
 
 
 def test_fp8_dtype_follows_the_device():
