@@ -204,8 +204,8 @@ class GatedCompiles:
 @pytest.fixture(scope="module")
 def gated(models):
     compiles = GatedCompiles()
-    engine = Engine(_config(models, compile_in_background=True, batch_buckets=(1, 2, 4)),
-                    compile_fn=compiles)
+    engine = Engine(_config(models, compile_in_background=True, batch_buckets=(1, 2, 4),
+                            background_compile_threads=1), compile_fn=compiles)
     yield engine, compiles
     compiles.gate.set()
     engine.finish_compiling()
@@ -286,6 +286,9 @@ def test_health_and_metrics_tell_the_compile_state(gated):
     health, metrics = asyncio.run(read())
     assert health.json() == {"status": "ready-complete", "executables_compiled": total,
                              "executables_total": total}
+    # background_compile_threads=1: every background compile ran in the one thread.
+    background = {name for _, name in compiles.calls if name.startswith("eagle-jax-compile")}
+    assert len(background) == 1 and len(compiles.calls) >= total
     assert f"eagle_jax:executables_pending{{model_name=\"{engine.model_name}\"}} 0.0" in metrics
     assert f"eagle_jax:executables_compiled{{model_name=\"{engine.model_name}\"}} " \
            f"{float(total)}" in metrics

@@ -192,6 +192,9 @@ CLI_FLAGS = (
             "with precompile, be ready once the executables that serve any request are "
             "compiled, and compile the rest while serving",
             dict(action=argparse.BooleanOptionalAction)),
+    CliFlag("--background-compile-threads", "background_compile_threads",
+            "threads compiling in the background while serving: more finish sooner and "
+            "slow the requests served meanwhile", dict(type=positive_int)),
     CliFlag("--compilation-cache-dir", "compilation_cache_dir",
             "the engine's stored executables (its 'executables' folder), or JAX's "
             "persistent compilation cache for an engine that stores none; '' disables both",

@@ -229,19 +229,19 @@ class ExecutableCache:
             for future in tqdm(done, total=len(keys), desc=desc, leave=False):
                 future.result()
 
-    def compile_in_background(self, keys: list[ExecutableKey],
+    def compile_in_background(self, keys: list[ExecutableKey], threads: int,
                               on_complete: Callable[[], None] | None = None) -> None:
-        """Queues ``keys`` for compiling in background threads and returns at once;
-        ``on_complete()`` is called (from a compile thread) once none is pending."""
+        """Queues ``keys`` for compiling in ``threads`` background threads (the first
+        call's count holds) and returns at once; ``on_complete()`` is called (from a
+        compile thread) once none is pending."""
         with self._lock:
             keys = [k for k in dict.fromkeys(keys)
                     if k not in self._compiled and k not in self._pending]
             if not keys:
                 return
             if self._pool is None:
-                workers = max(1, min(os.cpu_count() or 1, MAX_COMPILE_THREADS))
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    workers, thread_name_prefix="eagle-jax-compile")
+                    threads, thread_name_prefix="eagle-jax-compile")
             self._on_complete = on_complete
             futures = {key: self._pool.submit(self._compile, key) for key in keys}
             self._pending.update(futures)

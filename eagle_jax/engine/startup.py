@@ -82,15 +82,17 @@ def compile_at_start(config: EngineConfig, runner: ModelRunner, started: float) 
     rest = [key for key in keys if key not in ready]
     ready_seconds = time.monotonic() - started
     logger.info("engine: ready after %.1f s, %d of %d executables compiled; compiling "
-                "the other %d in the background", ready_seconds, len(executables),
-                len(executables) + len(rest), len(rest))
+                "the other %d in the background (%d threads)", ready_seconds,
+                len(executables), len(executables) + len(rest), len(rest),
+                config.background_compile_threads)
 
     def log_complete() -> None:  # called from a compile thread
         now = time.monotonic() - started
         logger.info("engine: all %d executables compiled, %.1f s after start (%.1f s "
                     "after ready)", len(executables), now, now - ready_seconds)
 
-    executables.compile_in_background(rest, on_complete=log_complete)
+    executables.compile_in_background(rest, config.background_compile_threads,
+                                      on_complete=log_complete)
 
 
 class StartupCompile:
