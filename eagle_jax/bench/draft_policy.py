@@ -43,8 +43,10 @@ import numpy as np
 
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.draft_policy import AdaptiveDraftLength, FixedDraftLength
-from eagle_jax.bench.engine import decode_rate, kv_bytes_per_token, weight_bytes
-from eagle_jax.bench.timing import copy_bandwidth
+from eagle_jax.bench.engine import decode_rate
+from eagle_jax.bench.roofline import (
+    Device, ModelCost, SpecRoofline, kv_bytes_per_token, weight_bytes)
+from eagle_jax.bench.timing import copy_bandwidth, matmul_throughput
 from eagle_jax.testutil.random_models import LLAMA_8B, SMALL, random_eagle3, random_target
 
 
@@ -100,11 +102,13 @@ def main(argv=None):
     device = jax.devices()[0].device_kind
     print(f"device: {device}; jax {jax.__version__}; {datetime.date.today()}", flush=True)
     bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)
+    flops = matmul_throughput(256 if args.small else 8192, dtype)
     t0 = time.perf_counter()
     target = random_target(shape, dtype)
     weights = weight_bytes(target)
     kv_bytes = kv_bytes_per_token(shape, jnp.dtype(dtype).itemsize)  # per live token
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
+    roofline = SpecRoofline(ModelCost.of(target), ModelCost.of(draft), Device(bw, flops))
     def new_tokens(batch):
         return max(args.new_tokens, args.cell_tokens // batch)
 
@@ -135,6 +139,10 @@ def main(argv=None):
         spec.set_synthetic_acceptance(a)
         for b in batches:
             row = dict(acceptance=a, batch=b, plain_bound=bound[b])  # tok/s
+            # The roofline's choice among the compiled lengths, and its speed-up.
+            live = args.prompt_len + new_tokens(b) / 2
+            row["roofline_draft_length"], row["roofline_speedup"] = roofline.optimal(
+                b, live, a, lengths)
             # Each repetition runs every policy once, in a rotated order, on its own seed:
             # a cell's configurations see the same drift of the device.
             names = [f"fixed{s}" for s in fixed] + ["adaptive"]
@@ -178,13 +186,14 @@ def main(argv=None):
     print(f"\nsynthetic acceptance per token, S <= {max(lengths)}, prompt {args.prompt_len}, "
           f"max({args.new_tokens}, {args.cell_tokens} / batch) new tokens, greedy; tok/s "
           f"(decode; the median of {args.repeats} interleaved runs)\n")
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weights / 1e9:.2f} GB; "
-          f"KV {kv_bytes / 1024:.0f} KiB per live token\n")
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; matmul {flops / 1e12:.3g} TFLOP/s; weights "
+          f"{weights / 1e9:.2f} GB; KV {kv_bytes / 1024:.0f} KiB per live token; roofline: "
+          "the best compiled length and its speed-up over plain (bench/roofline.py)\n")
     print_table(rows, fixed)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device, date=str(datetime.date.today()), lengths=lengths,
-                           copy_bandwidth=bw, weight_bytes=weights,
+                           copy_bandwidth=bw, matmul_flops=flops, weight_bytes=weights,
                            kv_bytes_per_token=kv_bytes,
                            step_seconds={f"{b},{s}": v for (b, s), v in step_seconds.items()},
                            prompt_len=args.prompt_len, new_tokens=args.new_tokens,
@@ -196,17 +205,21 @@ def main(argv=None):
 
 def print_table(rows: list[dict], fixed: list[int]) -> None:
     head = (["a", "batch", "plain", "plain / bound"] + [f"fixed {s}" for s in fixed]
-            + ["adaptive", "lengths chosen (share of steps)", "adaptive / best",
+            + ["adaptive", "lengths chosen (share of steps)", "roofline length (speed-up)",
+               "adaptive speed-up / roofline's", "adaptive / best",
                "full batch: adaptive / best"])
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         total = sum(r["adaptive_lengths"].values())
         chosen = " ".join(f"{s}:{n / total:.0%}" for s, n in r["adaptive_lengths"].items())
+        roof = ("- | -" if "roofline_speedup" not in r else  # (runs before the roofline)
+                f"{r['roofline_draft_length']} ({r['roofline_speedup']:.2f}x) | "
+                f"{r['adaptive_tok_s'] / r['plain_tok_s'] / r['roofline_speedup']:.2f}")
         print(f"| {r['acceptance']} | {r['batch']} | {r['plain_tok_s']:.0f} | "
               f"{r['plain_tok_s'] / r['plain_bound']:.0%} | " + " | ".join(
             f"{r[f'fixed{s}_tok_s']:.0f}" for s in fixed) + f" | {r['adaptive_tok_s']:.0f} | "
-            f"{chosen} | {r['adaptive_vs_best']:.3f} ({r['best_other']}) | "
+            f"{chosen} | {roof} | {r['adaptive_vs_best']:.3f} ({r['best_other']}) | "
             f"{r['adaptive_vs_best_full']:.3f} ({r['best_other_full']}) |")
     for suffix, what in (("", "closed batch"), ("_full", "full batch")):
         worst = min(r[f"adaptive_vs_best{suffix}"] for r in rows)

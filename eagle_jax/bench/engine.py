@@ -10,7 +10,10 @@ For each max_model_len (the page table's width; every engine gets the same KV po
 batch size the table gives decode tokens/s and mean TPOT of both engines (prefill
 excluded), the speed-up, and for plain decoding the bound: one read of the weights and
 of the live KV entries (the mean live length while decoding) per step, over the
-device-to-device copy bandwidth measured in the same run. Options add one sequence with
+device-to-device copy bandwidth measured in the same run; for speculation, the verify
+rows (B (S + 1)) and the roofline's speed-up at S and at its best S over 0-8, from that
+bandwidth and the matmul throughput measured in the same run (``roofline.py``), and the
+measured speed-up over the best. Options add one sequence with
 a long live context (``--long``), 128 concurrent requests from a fixed KV budget
 (``--capacity-gib``), a same-run HF transformers column (``--hf``, static cache,
 compiled, in a subprocess) and kernel-time breakdowns from ``jax.profiler`` traces
@@ -33,31 +36,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-
 from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
-from eagle_jax.bench.timing import copy_bandwidth, device_ms_per_op, print_profile
+from eagle_jax.bench.roofline import (
+    Device, ModelCost, SpecRoofline, kv_bytes_per_token, weight_bytes)
+from eagle_jax.bench.timing import (
+    copy_bandwidth, device_ms_per_op, matmul_throughput, print_profile)
 from eagle_jax.testutil.random_models import LLAMA_8B, SMALL, random_eagle3, random_target
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the parameters one forward reads at least once: all of them but an
-    untied embedding table, of which it reads only its tokens' rows (a tied table is
-    also the LM head, read whole). Until 2026-12-06 the table was counted: at the
-    Llama-3.1-8B shape 16.06 GB where a forward reads 15.01, 7% too many."""
-    total = sum(v.size * v.dtype.itemsize for _, v in nnx.iter_graph(model)
-                if isinstance(v, nnx.Param))
-    embed = getattr(model, "embed_tokens", None)  # (None: a draft borrowing the target's)
-    if embed is not None and not getattr(model.config, "tie_word_embeddings", False):
-        table = embed.weight[...]
-        total -= table.size * table.dtype.itemsize
-    return total
-
-
-def kv_bytes_per_token(shape: dict, itemsize: int) -> int:
-    """K and V bytes of one position over every layer of a target of ``shape``."""
-    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * itemsize
 
 
 class DecodeRate(NamedTuple):
@@ -195,9 +180,11 @@ def main(argv=None):
     device = jax.devices()[0].device_kind
     print(f"device: {device}; jax {jax.__version__}", flush=True)
     bw = copy_bandwidth(64 << 20 if args.small else 1 << 30)
+    flops = matmul_throughput(256 if args.small else 8192, dtype)
     target = random_target(shape, dtype)
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
     weights = weight_bytes(target)
+    roofline = SpecRoofline(ModelCost.of(target), ModelCost.of(draft), Device(bw, flops))
     a, S = args.acceptance, args.num_steps
     expected_len = 1 + sum(a ** i for i in range(1, S + 1))
     per_request = args.prompt_len + args.new_tokens + 2 * (S + 1)
@@ -236,11 +223,15 @@ def main(argv=None):
             acc = (spec.stats.num_accepted_tokens - s0[0]) / max(spec.stats.num_drafts - s0[1], 1)
             live = args.prompt_len + args.new_tokens / 2  # mean live tokens while decoding
             bound = b * bw / (weights + b * live * kvb)  # one read of weights + live KV
+            best_s, best = roofline.optimal(b, live, a)
             rows.append(dict(max_model_len=max_len, batch=b, plain_tok_s=p_tps,
                              plain_tpot_ms=p_tpot * 1e3, spec_tok_s=s_tps,
                              spec_tpot_ms=s_tpot * 1e3, speedup=s_tps / p_tps,
                              accept_length=1 + acc, bound_tok_s=bound,
-                             plain_vs_bound=p_tps / bound))
+                             plain_vs_bound=p_tps / bound, verify_rows=b * (S + 1),
+                             roofline_speedup=roofline.speedup(b, live, a, S),
+                             roofline_best_draft_length=best_s, roofline_best_speedup=best,
+                             speedup_vs_roofline=s_tps / p_tps / best))
             print(json.dumps(rows[-1]), flush=True)
         for name, eng, b in (("plain", plain, 64), ("plain", plain, 1), ("spec", spec, 64)):
             if not args.profile or max_len != lens[-1] or b not in batches:
@@ -297,11 +288,13 @@ def main(argv=None):
             print(f"HF baseline failed:\n{res.stderr[-3000:]}", flush=True)
 
     print(f"\nweights {weights / 1e9:.2f} GB, KV {kvb / 2**10:.0f} KiB per token, copy "
-          f"bandwidth {bw / 1e9:.0f} GB/s, expected accept length {expected_len:.2f} "
-          f"(a = {a}, S = {S}), page size {args.page_size}\n")
+          f"bandwidth {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.3g} TFLOP/s, expected "
+          f"accept length {expected_len:.2f} (a = {a}, S = {S}), page size {args.page_size}; "
+          "roofline: the speed-up at S and the best S's (bench/roofline.py)\n")
     print("| max_model_len | batch | plain tok/s | plain TPOT ms | bound tok/s | plain/bound | "
-          "spec tok/s | spec TPOT ms | accept len | speed-up | HF tok/s | plain/HF |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "spec tok/s | spec TPOT ms | accept len | verify rows | speed-up | roofline at S | "
+          "roofline best (S) | speed-up / best | HF tok/s | plain/HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         h = hf.get(r["batch"]) if r["max_model_len"] == lens[-1] else None
         r["hf_tok_s"] = h
@@ -309,10 +302,13 @@ def main(argv=None):
         print(f"| {r['max_model_len']} | {r['batch']} | {r['plain_tok_s']:.1f} | "
               f"{r['plain_tpot_ms']:.2f} | {r['bound_tok_s']:.1f} | {r['plain_vs_bound']:.0%} | "
               f"{r['spec_tok_s']:.1f} | {r['spec_tpot_ms']:.2f} | {r['accept_length']:.2f} | "
-              f"{r['speedup']:.2f}x | {hf_cols} |")
+              f"{r['verify_rows']} | {r['speedup']:.2f}x | {r['roofline_speedup']:.2f}x | "
+              f"{r['roofline_best_speedup']:.2f}x ({r['roofline_best_draft_length']}) | "
+              f"{r['speedup_vs_roofline']:.2f} | {hf_cols} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=device, copy_gbps=bw / 1e9, weight_bytes=weights,
+            json.dump(dict(device=device, copy_gbps=bw / 1e9, matmul_tflops=flops / 1e12,
+                           weight_bytes=weights,
                            kv_bytes_per_token=kvb, rows=rows, **extra), f, indent=2)
 
 

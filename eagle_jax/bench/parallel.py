@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from eagle_jax import parallel
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.data_parallel import DataParallelEngine
-from eagle_jax.bench.engine import decode_rate, kv_bytes_per_token, weight_bytes
+from eagle_jax.bench.engine import decode_rate
+from eagle_jax.bench.roofline import kv_bytes_per_token, weight_bytes
 from eagle_jax.bench.timing import copy_bandwidth
 from eagle_jax.testutil.random_models import LLAMA_8B, SMALL, random_eagle3, random_target
 

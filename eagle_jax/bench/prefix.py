@@ -57,7 +57,7 @@ from eagle_jax.argtypes import positive_int
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.config import DEFAULT_PREFILL_BUCKETS
 from eagle_jax.engine.executables import jit_compile
-from eagle_jax.bench.engine import kv_bytes_per_token, weight_bytes
+from eagle_jax.bench.roofline import kv_bytes_per_token, weight_bytes
 from eagle_jax.bench.timing import copy_bandwidth, device_ms_per_op, print_profile
 from eagle_jax.testutil.random_models import LLAMA_8B, SMALL, random_eagle3, random_target
 

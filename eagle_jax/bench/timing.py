@@ -39,6 +39,18 @@ def copy_bandwidth(nbytes: int = 1 << 30, *, calls: int = 10, repeats: int = 10)
     return 2 * x.nbytes / (ms * 1e-3)
 
 
+def matmul_throughput(n: int = 8192, dtype=jnp.bfloat16, *, calls: int = 10,
+                      repeats: int = 10) -> float:
+    """Dense FLOP/s of an [n, n] x [n, n] matmul in ``dtype`` (float32 accumulation):
+    the compute roof of ``roofline.Device``, as ``copy_bandwidth`` is its memory roof."""
+    ka, kb = jax.random.split(jax.random.key(2))
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype)
+    matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype))
+    ms = time_ms(matmul, a, b, calls=calls, repeats=repeats, warmup=2)
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
 def device_ms_per_op(trace_dir: str, divisor: int) -> dict[str, list[tuple[str, float]]]:
     """Device time per op of the newest ``jax.profiler`` trace under ``trace_dir``, over
     ``divisor`` (steps or requests): {device line: [(event name, ms)], costliest first}."""

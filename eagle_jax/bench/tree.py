@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.engine.draft_tree import scratch_positions
-from eagle_jax.bench.engine import kv_bytes_per_token, weight_bytes
+from eagle_jax.bench.roofline import kv_bytes_per_token, weight_bytes
 from eagle_jax.bench.timing import copy_bandwidth, device_ms_per_op, print_profile
 from eagle_jax.testutil.random_models import LLAMA_8B, SMALL, random_eagle3, random_target
 
