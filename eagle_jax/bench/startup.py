@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--complete-timeout", type=float, default=900,
                     help="seconds after launch to wait for every executable")
     ap.add_argument("--steady-requests", type=int, default=3)
+    ap.add_argument("--starts", default="cold,warm",
+                    help="server: cold (an empty executable store), then warm (the store "
+                         "the cold start filled); 'cold' alone fits a shorter device call")
     ap.add_argument("--with-logprobs", action="store_true",
                     help="compile: also the menu's logprobs variants")
     ap.add_argument("--json", default=None)
@@ -285,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(","))
     if only - {"server", "compile", "load"}:
         raise SystemExit(f"error: --only takes server, compile, load; got {args.only!r}")
+    if args.starts not in ("cold", "cold,warm"):
+        raise SystemExit(f"error: --starts takes cold or cold,warm (a warm start needs the "
+                         f"cold one's store); got {args.starts!r}")
     target, draft = resolve_models(args)
     spec = {"draft_model": draft} if draft else {"speculative_algorithm": "NONE"}
     config = EngineConfig.from_cli_args(args, model=target, **spec)
@@ -312,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
             server_args += ["--draft-model", draft, "--num-steps", str(config.num_steps)]
         store = tempfile.mkdtemp(prefix="eagle_jax_startup_store_")
         logs = tempfile.mkdtemp(prefix="eagle_jax_startup_logs_")
-        print(f"\nthe server, cold then warm (logs in {logs}):", flush=True)
+        print(f"\nthe server, {args.starts.replace(',', ' then ')} (logs in {logs}):",
+              flush=True)
         starts = []
         try:
-            for label in ("cold", "warm"):
+            for label in args.starts.split(","):
                 starts.append(start_server(
                     label, [*server_args, "--compilation-cache-dir", store], logs,
                     args.ready_timeout, args.complete_timeout, args.steady_requests))
