@@ -24,7 +24,11 @@ def free_port() -> int:
 
 class ServerProcess:
     """``python scripts/serve.py ARGS`` on a free loopback port; ``base_url`` when healthy
-    (``wait=False``: returns at once; ``wait_healthy`` then waits)."""
+    (``wait=False``: returns at once; ``wait_healthy`` then waits).
+
+    The server runs on the CPU unless ``env`` or the caller's environment sets
+    ``JAX_PLATFORMS`` (the test suite's default): a benchmark on a device passes
+    ``env={"JAX_PLATFORMS": ""}`` (an 8B pair started without it ran on the host CPU)."""
 
     def __init__(self, args: list[str], env: dict | None = None, log_path: str | None = None,
                  startup_timeout: float = 240.0, wait: bool = True):
