@@ -123,3 +123,29 @@ def test_the_roofline_at_the_8b_shape():
     assert roof.optimal(64, 256, 0.83)[0] < _llama_8b_roofline(
         matmul_tflops=2000).optimal(64, 256, 0.83)[0]
     assert roof.optimal(64, 256, 0.3)[0] < roof.optimal(64, 256, 0.83)[0]
+
+
+@pytest.mark.parametrize("acceptance", [0.5, 0.7, 0.85])
+def test_the_adaptive_policy_chooses_the_rooflines_length(acceptance):
+    """Issue 62's check of the adaptive draft policy against the roofline, at the 8B
+    shape: given the roofline's step times for every (batch bucket, compiled length) and
+    the true acceptance, the policy (probes off) picks the roofline's best compiled
+    length at batches 1-128; with its preference for shorter drafts (2%), a length
+    whose roofline speed-up is within 2% of the best."""
+    from eagle_jax.engine.draft_policy import AdaptiveDraftLength
+
+    roof, live, lengths = _llama_8b_roofline(), 256, (0, 1, 2, 3, 5)
+    batches = (1, 8, 32, 64, 128)
+    seconds = {(b, s): roof.spec_step_s(b, live, s) for b in batches for s in lengths}
+    exact = AdaptiveDraftLength(lengths, seconds, probe_every=10 ** 9, prefer_shorter=0.0)
+    default = AdaptiveDraftLength(lengths, seconds, probe_every=10 ** 9)
+    chosen = []
+    for policy in (exact, default):
+        policy.set_acceptance([acceptance] * max(lengths), trials=1e6)
+    for b in batches:
+        best, speedup = roof.optimal(b, live, acceptance, lengths)
+        assert exact.choose(b) == best, (b, best)
+        s = default.choose(b)
+        assert roof.speedup(b, live, acceptance, s) >= 0.98 * speedup, (b, s, best)
+        chosen.append(best)
+    assert chosen[0] > chosen[-1]  # long drafts at batch 1, short ones at 128

@@ -27,7 +27,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from eagle_jax.engine.draft_policy import expected_tokens as policy_expected_tokens
 
 
 def weight_bytes(model) -> int:
@@ -101,8 +104,9 @@ class ModelCost:
 
 def expected_tokens(acceptance: float, draft_length: int) -> float:
     """E(S) = 1 + a + ... + a^S: the tokens a row commits in a step of draft length S
-    when each draft token is accepted with probability a."""
-    return sum(acceptance ** i for i in range(draft_length + 1))
+    when each draft token is accepted with probability a (the adaptive policy's
+    ``draft_policy.expected_tokens`` at a constant per-position rate)."""
+    return float(policy_expected_tokens(np.full(draft_length, acceptance), [draft_length])[0])
 
 
 @dataclasses.dataclass(frozen=True)
