@@ -52,6 +52,37 @@ test_attention_contract_violations = _pa.test_contract_violations_never_read_out
 test_attention_short_chunk = _pa.test_short_chunk_over_a_long_prefix
 test_attention_jit_head_dim = _pa.test_jit_and_non_power_of_two_head_dim
 
+
+def test_attention_reads_a_pool_past_four_gib(monkeypatch):
+  """A K / V pool of more than 2**32 bytes ([140000, 16, 8, 128] bfloat16: 4.27 GiB,
+  2.29e9 elements each), the rows' pages at its end (element offsets past 2**31), every
+  other page NaN: the kernel's output equals the reference's over those pages alone.
+  jax's Pallas Triton lowering computes offsets in i64 for arrays past 4 GiB (its Triton
+  IR shows them, docs/history/2026-12-07-issue-60-first-ttft-and-compile-threads.md);
+  ``_common.MAX_INDEXED_ELEMENTS`` still caps pools at 2**31 elements, so the test lifts
+  it: what lifting it for 2-byte dtypes, or a stacked per-layer pool, would rely on."""
+  from eagle_jax.kernels import _common
+  from eagle_jax.kernels.paged_attention import paged_attention, paged_attention_reference
+
+  monkeypatch.setattr(_common, "MAX_INDEXED_ELEMENTS", 2**40)
+  num_pages, page_size, k, d, n = 140_000, 16, 8, 128, 32
+  assert num_pages * page_size * k * d > 2**31
+  rng = np.random.default_rng(12)
+  kv_len = np.array([128, 77, 16], np.int32)
+  table = np.arange(num_pages - 24, num_pages, dtype=np.int32).reshape(3, 8)
+  live = (3 * 8, page_size, k, d)
+  k_live, v_live = (jnp.asarray(rng.standard_normal(live), jnp.bfloat16) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((3, 1, n, d)), jnp.bfloat16)
+  put = jax.jit(lambda pool, rows: pool.at[table.ravel()].set(rows), donate_argnums=0)
+  pools = [put(jnp.full((num_pages, page_size, k, d), jnp.nan, jnp.bfloat16), rows)
+           for rows in (k_live, v_live)]
+  ones = jnp.ones(3, jnp.int32)
+  out = paged_attention(q, *pools, table, kv_len, ones, interpret=False)
+  del pools
+  compact = np.arange(24, dtype=np.int32).reshape(3, 8)
+  ref = paged_attention_reference(q, k_live, v_live, compact, kv_len, ones)
+  test_kernels_paged_attention._check(out, ref, [1, 1, 1], jnp.bfloat16)
+
 # Tree mask.
 test_tree_mask_matches_reference = (
     test_kernels_tree_mask.test_random_trees_kernel_matches_reference_and_walk)
