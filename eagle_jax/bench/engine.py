@@ -39,7 +39,7 @@ import numpy as np
 from eagle_jax import SamplingParams
 from eagle_jax.engine import Engine, EngineConfig
 from eagle_jax.bench.roofline import (
-    Device, ModelCost, SpecRoofline, kv_bytes_per_token, weight_bytes)
+    Device, ModelCost, SpecRoofline, expected_tokens, kv_bytes_per_token, weight_bytes)
 from eagle_jax.bench.timing import (
     copy_bandwidth, device_ms_per_op, matmul_throughput, print_profile)
 from eagle_jax.testutil.random_models import LLAMA_8B, SMALL, random_eagle3, random_target
@@ -186,7 +186,7 @@ def main(argv=None):
     weights = weight_bytes(target)
     roofline = SpecRoofline(ModelCost.of(target), ModelCost.of(draft), Device(bw, flops))
     a, S = args.acceptance, args.num_steps
-    expected_len = 1 + sum(a ** i for i in range(1, S + 1))
+    expected_len = expected_tokens(a, S)
     per_request = args.prompt_len + args.new_tokens + 2 * (S + 1)
 
     itemsize = jnp.dtype(dtype).itemsize

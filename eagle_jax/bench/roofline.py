@@ -82,7 +82,7 @@ class ModelCost:
         head = head() if callable(head) else head  # (a draft's is a method)
         params = _read_params(model)
         matmul = sum(v.size for v in params if v.ndim >= 2)
-        nbytes = weight_bytes(model)
+        nbytes = sum(v.size * v.dtype.itemsize for v in params)  # (weight_bytes)
         if not any(v.shape == head.shape for v in params):  # borrowed, not a parameter
             matmul += head.size
             nbytes += head.size * head.dtype.itemsize
