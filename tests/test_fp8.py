@@ -264,9 +264,11 @@ def _relative_rms(out, ref) -> float:
 
 
 def _logits(model):
+    """Logits at 256 positions (8 rows of 32): enough that the argmax agreement below is
+    within ~0.02 of its mean, not a handful of near-ties' coin flips."""
     rng = np.random.default_rng(5)
-    tokens = jnp.asarray(rng.integers(0, 256, (2, 12)), jnp.int32)
-    return np.asarray(model(tokens, jnp.broadcast_to(jnp.arange(12), (2, 12)), None).logits)
+    tokens = jnp.asarray(rng.integers(0, 256, (8, 32)), jnp.int32)
+    return np.asarray(model(tokens, jnp.broadcast_to(jnp.arange(32), (8, 32)), None).logits)
 
 
 @pytest.mark.parametrize("layout", ["ct_channel", "ct_tensor", "fbgemm"])
@@ -295,9 +297,12 @@ def test_fp8_logits_stay_close_to_the_float_model(checkpoints, layout):
     itself (about 2.5% rms for the usual values), so each FP8 projection's output carries
     about sqrt(2) x 2.5% ~ 3.6% rms relative noise, whatever its width (the errors add as
     the products do). Seven projections a layer, two layers, and a random model that
-    amplifies them: measured 9-10% rms on the logits (per-tensor static: 10%); the test
-    allows 15% and needs 85% of the argmaxes to stay. A wrong scale (a row's, the fnuz
-    doubling, a fused part's) moves the logits by their own size."""
+    amplifies them: measured 10-11% rms on the logits (per-tensor static: 11-12%) and
+    85-91% of the 256 argmaxes kept (two random models; 12 positions, as this test first
+    took, gave 83-92%: a coin flip against the 85% it then asked); the test allows 15%
+    and needs 80%, ~3 standard deviations of the agreement below the lowest mean. A
+    wrong scale (a row's, the fnuz doubling, a fused part's) moves the logits by their
+    own size and keeps ~1/256 of the argmaxes."""
     ref = _logits(load_decoder(checkpoints["float"]))
     model = (load_decoder(checkpoints["float"], quantization="fp8") if layout == "on_the_fly"
              else load_decoder(checkpoints[layout]))
@@ -306,7 +311,7 @@ def test_fp8_logits_stay_close_to_the_float_model(checkpoints, layout):
     agree = np.mean(out.argmax(-1) == ref.argmax(-1))
     print(f"{layout}: rms logit error / rms logit = {err:.4f}, argmax agreement {agree:.3f}")
     assert 0 < err < 0.15
-    assert agree >= 0.85
+    assert agree >= 0.8
 
 
 def test_on_the_fly_quantization_saves_as_compressed_tensors(checkpoints, tmp_path):

@@ -316,13 +316,15 @@ def test_jit_and_non_power_of_two_head_dim():
   _check(out, paged_attention_reference(q, kc, vc, table, kv_len, q_len), [2, 1], f32)
 
 
-def test_paged_attention_refuses_a_pool_past_its_32_bit_offsets():
-  """A pool array of more than 2**31 elements is a ValueError at trace time (the
-  kernel's int32 offsets would wrap), one at the limit traces; shapes only, nothing is
-  allocated."""
+def test_paged_attention_refuses_a_pool_past_its_int32_rows():
+  """The kernel's pool rows are int32: a pool of more than 2**31 - 1 rows (pages x
+  page_size x K) is a ValueError at trace time and one at the limit traces, whatever its
+  elements (2**37 here: the lowering's 64-bit offsets); a 1-byte pool's limit is 2**31
+  elements (32-bit offsets up to 4 GiB). Shapes only, nothing is allocated."""
   page, k, d = 16, 2, 64
   most = max_pool_pages(page, k, d)
-  assert most * page * k * d <= 2**31 < (most + 1) * page * k * d
+  assert most * page * k <= 2**31 - 1 < (most + 1) * page * k
+  assert most * page * k * d * 2 > 2**32  # past 32-bit element offsets
   spec = jax.ShapeDtypeStruct
 
   def trace(num_pages):
@@ -332,5 +334,6 @@ def test_paged_attention_refuses_a_pool_past_its_32_bit_offsets():
         spec((1, 8), jnp.int32), spec((1,), jnp.int32), spec((1,), jnp.int32))
 
   assert trace(most).shape == (1, 1, 4, d)
-  with pytest.raises(ValueError, match=f"more than the {most} the kernel's 32-bit offsets"):
+  with pytest.raises(ValueError, match=f"more than the {most} the kernel addresses"):
     trace(most + 1)
+  assert max_pool_pages(page, k, d, itemsize=1) == 2**31 // (page * k * d)

@@ -349,15 +349,15 @@ def test_no_page_leaks_after_many_random_requests(models):
 
 def test_engine_sizes_its_pool_within_the_attention_kernels_limit(models, monkeypatch, caplog):
     """The engine passes the kernel's page limit (``max_pool_pages`` of each model's pool
-    shape) to its pool plan. A real limit needs pools of 2**31 elements, so the limit is
-    lowered here: a budget past it gets a pool of exactly the limit, logged."""
+    shape and dtype) to its pool plan. A real limit needs pools of 2**31 rows, so the
+    limit is lowered here: a budget past it gets a pool of exactly the limit, logged."""
     from eagle_jax.engine import pool_sizing as engine_module
     from eagle_jax.kernels import paged_attention
 
     shapes = []
 
-    def limit(page_size, heads, dim):
-        shapes.append((page_size, heads, dim))
+    def limit(page_size, heads, dim, *, itemsize):
+        shapes.append((page_size, heads, dim, itemsize))
         return 24
 
     monkeypatch.setattr(engine_module, "max_pool_pages", limit)
@@ -366,10 +366,12 @@ def test_engine_sizes_its_pool_within_the_attention_kernels_limit(models, monkey
         engine = _engine(models, "EAGLE3", kv_cache_memory=_pool_bytes(probe, 40 * 4),
                          max_model_len=None, precompile=False)
     assert engine.num_pages == 24 and engine.max_model_len == 24 * 4 - 2 * engine.step_tokens
-    assert "the most the attention kernel's 32-bit offsets address" in caplog.text
-    # One limit per pool shape: the target's and the draft's.
+    assert "the most the attention kernel addresses" in caplog.text
+    # One limit per pool shape (the target's and the draft's) and the pool's dtype.
     tgt, dft = engine.target.config, engine.draft.config
-    assert shapes[-2:] == [(4, tgt.num_kv_heads, tgt.head_dim), (4, dft.num_kv_heads, dft.head_dim)]
+    size = engine.runner.state.target_pages.k[0].dtype.itemsize
+    assert shapes[-2:] == [(4, tgt.num_kv_heads, tgt.head_dim, size),
+                           (4, dft.num_kv_heads, dft.head_dim, size)]
     assert paged_attention.max_pool_pages(4, tgt.num_kv_heads, tgt.head_dim) > 10**6
 
 

@@ -192,6 +192,9 @@ def main(argv=None):
     itemsize = jnp.dtype(dtype).itemsize
     kvb = kv_bytes_per_token(shape, itemsize)
     draft_kvb = 2 * draft.config.num_kv_heads * draft.config.head_dim * itemsize
+    # With prefix caching the pool also keeps a page's share of the target feature
+    # (engine/pool_sizing.py), 3 x H wide for EAGLE-3.
+    draft_kvb += -(-3 * shape["hidden_size"] * itemsize // args.page_size)
 
     def engines(max_model_len, kv_tokens, buckets):
         """Plain and speculative engines whose pools hold ``kv_tokens`` positions

@@ -113,7 +113,8 @@ def size_pool(config: EngineConfig, *, target, draft, mesh, devices: list, dtype
                           for layers, heads, dim in shapes)
     if draft is not None and config.enable_prefix_caching:
         bytes_per_token += -(-feature_width * jnp.dtype(dtype).itemsize // page_size)
-    addressable = min(max_pool_pages(page_size, heads, dim) for _, heads, dim in shapes)
+    addressable = min(max_pool_pages(page_size, heads, dim, itemsize=jnp.dtype(dtype).itemsize)
+                      for _, heads, dim in shapes)
     plan = plan_pool(model_limit=limit, max_model_len=config.max_model_len,
                      num_slots=config.max_num_seqs, page_size=page_size,
                      step_tokens=step_tokens, bytes_per_token=bytes_per_token,
@@ -121,7 +122,7 @@ def size_pool(config: EngineConfig, *, target, draft, mesh, devices: list, dtype
                      unbudgeted_max_model_len=CPU_MAX_MODEL_LEN, max_num_pages=addressable)
     if plan.num_pages == addressable:
         logger.info("engine: KV pool of %d pages (%d tokens), the most the attention "
-                    "kernel's 32-bit offsets address at this page size and head shape",
+                    "kernel addresses at this page size and head shape",
                     plan.num_pages, plan.num_pages * page_size)
     if config.max_model_len is None and plan.max_model_len < limit:
         logger.info("engine: max_model_len=%d (the target's limit %d capped by the KV pool "

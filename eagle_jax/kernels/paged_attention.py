@@ -62,9 +62,14 @@ caller's contract, but never cause an out-of-bounds read: kv_len is clamped into
 max_pages * page_size], q_len into [0, T], page-table columns into [0, max_pages) and
 page ids into [0, P). Unsupported dtypes or head sizes, and backends without a Triton
 lowering (TPU), take the pure-jnp reference, which is also the engine's fallback. The
-kernel addresses a pool with 32-bit element offsets (Triton's pointer offsets are int32),
-so a pool array of more than 2**31 elements is a ValueError naming the page limit
-(``max_pool_pages``), never a wrapped offset; the engine sizes its pool within it.
+kernel computes pool rows (of the [P * page_size * K, D] view) in int32 and jax's Pallas
+Triton lowering turns them into element offsets, in 64 bits for an array past 2**32
+bytes and in 32 below it, where a pool of 2-byte or wider elements has at most 2**31
+(an H100 read a 4.27 GiB pool's pages past element 2**31 right, tests/gpu): so a pool of
+the kernel's dtypes is addressed right up to 2**31 - 1 rows; more is a ValueError naming
+the page limit (``max_pool_pages``), never a wrapped offset. (A 1-byte pool of 2**31 to
+2**32 elements would get wrapping 32-bit offsets: ``max_pool_pages(itemsize=1)`` caps it
+at 2**31 elements.)
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ _M_FLOOR = -1e30
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
 _MAX_HEAD_DIM = 256
+# Rows of the pool's [rows, D] view within the kernel's int32 row arithmetic.
+_MAX_POOL_ROWS = 2**31 - 1
 
 
 # --------------------------------------------------------------------------------------
@@ -129,12 +136,15 @@ def _scale(sm_scale, head_dim):
   return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
 
-def max_pool_pages(page_size: int, kv_heads: int, head_dim: int) -> int:
+def max_pool_pages(page_size: int, kv_heads: int, head_dim: int, *, itemsize: int = 2) -> int:
   """The most pages a [P, page_size, kv_heads, head_dim] pool may have for the kernel to
-  address it. Reached only by small models on large GPUs: at K = 8, D = 64 it is 262144
-  pages of 16 positions (4 GiB of bfloat16 per layer for K, as much for V), where
-  Llama-3.2-1B given 0.75 of a 288 GB MI355X would otherwise get ~6.2M positions."""
-  return _common.MAX_INDEXED_ELEMENTS // (page_size * kv_heads * head_dim)
+  address it: its rows within int32 and, for 1-byte elements, its elements within 2**31
+  (module docstring). At page size 16 and K = 8 that is 16.8M pages (268M positions, 512
+  GiB of bfloat16 K per layer at D = 128): no GPU's memory reaches it."""
+  most = _MAX_POOL_ROWS // (page_size * kv_heads)
+  if itemsize < 2:
+    most = min(most, _common.MAX_INDEXED_ELEMENTS // (page_size * kv_heads * head_dim))
+  return most
 
 
 # --------------------------------------------------------------------------------------
@@ -631,7 +641,7 @@ def paged_attention(
   b, t, n, d, num_pages, page_size, k, max_pages = _check_inputs(
       q, k_pages, v_pages, page_table, kv_len, q_len, block_mask)
   dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-  # The pools are not given to kernel_backend_ok: past the kernel's offsets they raise
+  # The pools are not given to kernel_backend_ok: past the kernel's rows they raise
   # below instead of taking the reference, whose dense gather of every sequence's whole
   # table would cost gigabytes per layer.
   supported = (
@@ -643,11 +653,11 @@ def paged_attention(
   if not supported:
     return paged_attention_reference(q, k_pages, v_pages, page_table, kv_len, q_len,
                                      block_mask=block_mask, sm_scale=sm_scale)
-  addressable = max_pool_pages(page_size, k, d)
+  addressable = max_pool_pages(page_size, k, d, itemsize=k_pages.dtype.itemsize)
   if num_pages > addressable:
     raise ValueError(
         f"k_pages has {num_pages} pages of {page_size} x {k} x {d}: more than the "
-        f"{addressable} the kernel's 32-bit offsets address; give the pool fewer pages "
+        f"{addressable} the kernel addresses (max_pool_pages); give the pool fewer pages "
         "(the engine sizes its pool within this)")
   cfg = _block_sizes(b, t, n // k, d, k, max_pages * page_size,
                      gpu=_common.resolve_target(target), causal=block_mask is None,

@@ -53,18 +53,15 @@ test_attention_short_chunk = _pa.test_short_chunk_over_a_long_prefix
 test_attention_jit_head_dim = _pa.test_jit_and_non_power_of_two_head_dim
 
 
-def test_attention_reads_a_pool_past_four_gib(monkeypatch):
+def test_attention_reads_a_pool_past_four_gib():
   """A K / V pool of more than 2**32 bytes ([140000, 16, 8, 128] bfloat16: 4.27 GiB,
   2.29e9 elements each), the rows' pages at its end (element offsets past 2**31), every
   other page NaN: the kernel's output equals the reference's over those pages alone.
   jax's Pallas Triton lowering computes offsets in i64 for arrays past 4 GiB (its Triton
-  IR shows them, docs/history/2026-12-07-issue-60-first-ttft-and-compile-threads.md);
-  ``_common.MAX_INDEXED_ELEMENTS`` still caps pools at 2**31 elements, so the test lifts
-  it: what lifting it for 2-byte dtypes, or a stacked per-layer pool, would rely on."""
-  from eagle_jax.kernels import _common
+  IR shows them, docs/history/2026-12-07-issue-60-first-ttft-and-compile-threads.md): what
+  the kernel's limit (``max_pool_pages``: int32 rows, not elements) relies on."""
   from eagle_jax.kernels.paged_attention import paged_attention, paged_attention_reference
 
-  monkeypatch.setattr(_common, "MAX_INDEXED_ELEMENTS", 2**40)
   num_pages, page_size, k, d, n = 140_000, 16, 8, 128, 32
   assert num_pages * page_size * k * d > 2**31
   rng = np.random.default_rng(12)
