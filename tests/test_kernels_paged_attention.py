@@ -86,10 +86,14 @@ def _check(out, ref, ql, dtype):
 
 
 def _run(seed, kv, ql, *, t, n, k, d, page_size=16, dtype=f32, tree=False, extra=0,
-         **tuning):
+         kv_dtype=None, **tuning):
+  """``kv_dtype``: the pools' (``pa_mod.KV_FP8``: an FP8 cache, against the reference
+  over the same e4m3 values)."""
   rng = np.random.default_rng(seed)
   q, kp, vp, kc, vc, table, kv_len, q_len = _inputs(
       rng, kv, ql, t=t, n=n, k=k, d=d, page_size=page_size, dtype=dtype)
+  if kv_dtype is not None:  # 3 * N(0, 1): values up to ~15, e4m3's coarse steps in play
+    kp, vp, kc, vc = (jnp.asarray(3 * x.astype(f32), kv_dtype) for x in (kp, vp, kc, vc))
   mask = _tree_mask(rng, ql, t, extra) if tree else None
   out = paged_attention(q, kp, vp, table, kv_len, q_len, block_mask=mask, **tuning)
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -120,6 +124,12 @@ CASES = {
     # The heuristic's choices for an MI300X (32-key tiles) over a short table.
     "verify_gfx942_bf16": ([6, 33, 64, 190], [6, 6, 4, 6], 6, 8, 2, 128, bf16,
                            dict(target="gfx942")),
+    # An FP8 cache (``--kv-cache-dtype fp8``): e4m3 pools widened to q's dtype.
+    "decode_fp8_kv_bf16_d128": (_EDGES, [1] * 5, 1, 8, 2, 128, bf16,
+                                dict(kv_dtype=pa_mod.KV_FP8)),
+    "verify_splits_fp8_kv_f32": ([6, 33, 64, 190], [6, 6, 4, 6], 6, 8, 2, 64, f32,
+                                 dict(kv_dtype=pa_mod.KV_FP8, num_splits=4, min_split=16,
+                                      block_n=16)),
 }
 
 

@@ -55,7 +55,7 @@ from eagle_jax.kernels._common import GPU_TARGETS, TRITON_CUSTOM_CALL
 from eagle_jax.kernels.draft_proposal import propose_draft_tokens
 from eagle_jax.kernels.gathered_lm_head import gathered_lm_head
 from eagle_jax.kernels.norm_concat import rmsnorm_concat
-from eagle_jax.kernels.paged_attention import paged_attention
+from eagle_jax.kernels.paged_attention import KV_FP8, paged_attention
 from eagle_jax.kernels.spec_sampler import speculative_sample
 from eagle_jax.kernels.tree_mask import build_tree_mask
 from eagle_jax.kernels.tree_verify import verify_tree
@@ -134,9 +134,9 @@ def _lm_head(m: ModelShape, target: str, batch: int, rows: int):
 
 
 def _attention(m: ModelShape, target: str, batch: int, tokens: int, table: int,
-               tree: bool = False):
+               tree: bool = False, kv_dtype=bf16):
   pages = table // PAGE_SIZE
-  pool = S((batch * pages + 8, PAGE_SIZE, m.kv_heads, m.head_dim), bf16)
+  pool = S((batch * pages + 8, PAGE_SIZE, m.kv_heads, m.head_dim), kv_dtype)
   args = [S((batch, tokens, m.heads, m.head_dim), bf16), pool, pool, S((batch, pages), i32),
           S((batch,), i32), S((batch,), i32)]
   if tree:
@@ -191,6 +191,10 @@ CASES = {
         lambda m, t: _attention(m, t, BATCH, STEPS + 1, TABLE),
     f"attention verify T={STEPS + 1}, B=8 (split-K)":
         lambda m, t: _attention(m, t, 8, STEPS + 1, TABLE),
+    f"attention decode, FP8 KV, B={BATCH}":
+        lambda m, t: _attention(m, t, BATCH, 1, TABLE, kv_dtype=KV_FP8),
+    f"attention verify T={STEPS + 1}, FP8 KV, B={BATCH}":
+        lambda m, t: _attention(m, t, BATCH, STEPS + 1, TABLE, kv_dtype=KV_FP8),
     f"attention tree verify T={STEPS + 1}, B={BATCH}":
         lambda m, t: _attention(m, t, BATCH, STEPS + 1, TABLE, tree=True),
     f"attention tree verify T={TREE[2]}, B={BATCH}":

@@ -11,6 +11,7 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
 TREE_VERIFY_METHODS = ("traversal", "recursive_rejection", "target_only")
 QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
 DEFAULT_TREE_TOKENS = 32
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -92,10 +93,15 @@ class EngineConfig:
         while loading (per-channel e4m3 weights, per-token activations; ``eagle_jax.fp8``).
         A checkpoint whose config.json has an FP8 quantization_config (compressed-tensors,
         fbgemm_fp8) loads in FP8 whatever this says. The e4m3 format follows the device
-        (e4m3fnuz on gfx942, e4m3fn elsewhere); the embedding, the LM head, the norms and
-        the KV cache stay in ``dtype``.
+        (e4m3fnuz on gfx942, e4m3fn elsewhere); the embedding, the LM head and the norms
+        stay in ``dtype``, the KV cache as ``kv_cache_dtype`` says.
       draft_quantization: "fp8" quantizes the draft's linear layers (its LM head
         excepted) on the fly as well; None keeps the draft in ``dtype``.
+      kv_cache_dtype: "auto" keeps the KV pools (the target's and the draft's) in
+        ``dtype``; "fp8" stores them in OCP e4m3 (``paged_attention.KV_FP8``, every
+        device: the attention kernel widens each K / V tile to ``dtype`` in registers),
+        each value saturated to +-448 with no scale (vLLM's default for an FP8 cache
+        without calibrated scales): the same memory holds 2x the positions of bfloat16.
       precompile: compile every bucket at start (with a progress bar).
       precompile_logprobs: with precompile, also compile every bucket's logprobs
         variant at start. Otherwise the first request that asks for logprobs (as
@@ -149,6 +155,7 @@ class EngineConfig:
     dtype: str | None = None
     quantization: str | None = None
     draft_quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     precompile: bool = True
     precompile_logprobs: bool = False
@@ -255,6 +262,9 @@ class EngineConfig:
             if getattr(self, name) not in (None, *QUANTIZATIONS):
                 raise ValueError(f"{name} must be one of {QUANTIZATIONS} or None (the "
                                  f"checkpoint's own), got {getattr(self, name)!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.draft_quantization is not None and not self.speculative:
             raise ValueError("draft_quantization quantizes the draft, and "
                              "speculative_algorithm NONE runs none: drop one of the two")

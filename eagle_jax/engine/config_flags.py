@@ -9,7 +9,8 @@ import dataclasses
 
 from eagle_jax.argtypes import int_tuple, positive_int
 from eagle_jax.engine.config import (
-    ALGORITHMS, DRAFT_SAMPLE_METHODS, QUANTIZATIONS, SPECULATIVE_POLICIES, TREE_VERIFY_METHODS)
+    ALGORITHMS, DRAFT_SAMPLE_METHODS, KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE_POLICIES,
+    TREE_VERIFY_METHODS)
 
 
 def add_cli_args(cls, parser: argparse.ArgumentParser, *,
@@ -177,6 +178,10 @@ CLI_FLAGS = (
     CliFlag("--draft-quantization", "draft_quantization",
             "fp8: the draft's linear layers in FP8 too (its LM head excepted)",
             dict(choices=list(QUANTIZATIONS)), default_help="default: the draft in --dtype"),
+    CliFlag("--kv-cache-dtype", "kv_cache_dtype",
+            "fp8: the KV pools in e4m3, 2x the positions of bfloat16 in the same memory "
+            "(values saturated at +-448, no scale)", dict(choices=list(KV_CACHE_DTYPES)),
+            default_help="default: auto, the pools in --dtype"),
     CliFlag("--kv-cache-memory", "kv_cache_memory", "KV pool bytes", dict(type=positive_int)),
     CliFlag("--kv-cache-memory-fraction", "kv_cache_memory_fraction",
             "or this share of the free device memory", dict(type=float),

@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from eagle_jax.engine.config import EngineConfig
 from eagle_jax.engine.draft_policy import FixedDraftLength
@@ -123,9 +124,10 @@ class Engine:
         self._in_flight: InFlightStep | None = None
         logger.info(
             "engine: %s, %s draft, %d slots, max_model_len %d, KV pool %d pages x %d tokens "
-            "(%.2f GiB, %d tokens), batch buckets %s, prefill buckets %s", self.model_name,
-            config.speculative_algorithm, self.num_slots, self.max_model_len,
-            self.num_pages, self.page_size, self.kv_bytes / 2**30,
+            "(%s, %.2f GiB, %d tokens), batch buckets %s, prefill buckets %s",
+            self.model_name, config.speculative_algorithm, self.num_slots,
+            self.max_model_len, self.num_pages, self.page_size,
+            jnp.dtype(runner.kv_dtype).name, self.kv_bytes / 2**30,
             self.num_pages * self.page_size, self.batch_buckets, self.prefill_buckets)
         self.startup = StartupCompile(config, runner, self.scheduler, started)
 

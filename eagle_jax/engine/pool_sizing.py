@@ -101,19 +101,19 @@ def check_pool_fits(config: EngineConfig, kv_bytes: int, devices: list) -> None:
 
 
 def size_pool(config: EngineConfig, *, target, draft, mesh, devices: list, dtype,
-              step_tokens: int, feature_width: int) -> PoolSize:
+              kv_dtype, step_tokens: int, feature_width: int) -> PoolSize:
     """The pool of ``config`` for these models on ``devices``. Its bytes per position on
-    each device: the target's KV layers plus the draft's, and with a draft and prefix
-    caching a position's share of the target feature kept per page for a hit's draft
-    (``DecodeState.boundary_features``, ``feature_width`` wide)."""
+    each device: the target's KV layers plus the draft's in ``kv_dtype``, and with a draft
+    and prefix caching a position's share of the target feature (in ``dtype``) kept per
+    page for a hit's draft (``DecodeState.boundary_features``, ``feature_width`` wide)."""
     page_size = config.page_size
     limit = model_limit(target, draft)
     shapes = pool_shapes(target, draft, mesh)
-    bytes_per_token = sum(KVPages.bytes_per_token(layers, heads, dim, dtype)
+    bytes_per_token = sum(KVPages.bytes_per_token(layers, heads, dim, kv_dtype)
                           for layers, heads, dim in shapes)
     if draft is not None and config.enable_prefix_caching:
         bytes_per_token += -(-feature_width * jnp.dtype(dtype).itemsize // page_size)
-    addressable = min(max_pool_pages(page_size, heads, dim, itemsize=jnp.dtype(dtype).itemsize)
+    addressable = min(max_pool_pages(page_size, heads, dim, itemsize=jnp.dtype(kv_dtype).itemsize)
                       for _, heads, dim in shapes)
     plan = plan_pool(model_limit=limit, max_model_len=config.max_model_len,
                      num_slots=config.max_num_seqs, page_size=page_size,

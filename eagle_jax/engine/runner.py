@@ -39,6 +39,7 @@ from eagle_jax.engine.state import (
     MAX_DRAFT_LAG, SLOT_FIELDS, DecodeState, PrefillChunks, PrefillOutput, SlotUpdates,
     StepOutput, slot_fields, token_logprobs, update_slots)
 from eagle_jax.fp8 import fp8_dtype
+from eagle_jax.kernels.paged_attention import KV_FP8
 from eagle_jax.fp8_checkpoint import on_the_fly_spec
 from eagle_jax.models.decoder import Decoder, load_decoder
 from eagle_jax.models.layers import quantize_linears
@@ -101,8 +102,9 @@ class ModelRunner:
         self.keeps_boundary_features = (self.draft is not None
                                         and config.enable_prefix_caching)
         self.num_slots = config.max_num_seqs
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else KV_FP8
         self.pool = size_pool(config, target=self.target, draft=self.draft, mesh=self.mesh,
-                              devices=self.devices, dtype=self.dtype,
+                              devices=self.devices, dtype=self.dtype, kv_dtype=self.kv_dtype,
                               step_tokens=self.step_tokens,
                               feature_width=self._feature_width())
         self.menu = self._bucket_menu()
@@ -209,11 +211,11 @@ class ModelRunner:
     def _zero_state(self) -> DecodeState:
         n, pages, page_size = self.num_slots, self.pool.num_pages, self.config.page_size
         width = self._feature_width()
-        target_pages = self.target.init_pages(pages, page_size, self.dtype)
+        target_pages = self.target.init_pages(pages, page_size, self.kv_dtype)
         draft_pages = draft_hidden = draft_logits = None
         optional = {}
         if self.draft is not None:
-            draft_pages = self.draft.init_pages(pages, page_size, self.dtype)
+            draft_pages = self.draft.init_pages(pages, page_size, self.kv_dtype)
             hidden = self.draft.project(jnp.zeros((1, width), self.dtype))
             draft_hidden = jnp.zeros((n, hidden.shape[-1]), self.dtype)
             draft_logits = jnp.zeros((n, self.draft.draft_vocab_size), jnp.float32)

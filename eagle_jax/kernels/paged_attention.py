@@ -95,6 +95,10 @@ _M_FLOOR = -1e30
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 64
 _MAX_HEAD_DIM = 256
+# An FP8 pool's format: OCP e4m3 on every device (MI300X's matrix units take fnuz, but the
+# kernel widens K / V tiles to q's dtype before its dots, and Pallas' Triton lowering
+# cannot convert fnuz).
+KV_FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # Rows of the pool's [rows, D] view within the kernel's int32 row arithmetic.
 _MAX_POOL_ROWS = 2**31 - 1
 
@@ -455,6 +459,7 @@ def _attention_kernel(
       krow = (page * page_size + pos % page_size) * kv_heads + h  # [BN] pool rows
       kv_mask = key_ok[:, None] & d_ok[None, :]
       k = plgpu.load(k_ref.at[krow[:, None], d[None, :]], mask=kv_mask, other=0.0)
+      k = k.astype(q.dtype)  # an FP8 pool's tile, widened in registers
       sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32) * scale_log2  # [BQ, BN]
       if causal:
@@ -473,6 +478,7 @@ def _attention_kernel(
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(sc - m_new[:, None])
       v = plgpu.load(v_ref.at[krow[:, None], d[None, :]], mask=kv_mask, other=0.0)
+      v = v.astype(q.dtype)
       pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32)
       return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
@@ -620,8 +626,9 @@ def paged_attention(
   Args:
     q: [B, T, N, D] queries; row t < q_len[b] of sequence b sits at position
       kv_len[b] - q_len[b] + t. N must be a multiple of K (GQA, G = N // K).
-    k_pages, v_pages: [P, page_size, K, D] one layer's key / value pool (q's dtype,
-      bfloat16 or float32 for the kernel; anything else takes the reference).
+    k_pages, v_pages: [P, page_size, K, D] one layer's key / value pool, in q's dtype
+      (bfloat16 or float32 for the kernel; anything else takes the reference) or in
+      ``KV_FP8`` (an FP8 cache: each tile widened to q's dtype before the dots).
     page_table: [B, max_pages] int32 page ids of each sequence (entries past a
       sequence's live pages are never read).
     kv_len: [B] int32 live keys per sequence, the query block included.
@@ -646,7 +653,7 @@ def paged_attention(
   # table would cost gigabytes per layer.
   supported = (
       _common.kernel_backend_ok(interpret)
-      and q.dtype in dtypes and k_pages.dtype == q.dtype and v_pages.dtype == q.dtype
+      and q.dtype in dtypes and k_pages.dtype in (q.dtype, KV_FP8) and v_pages.dtype == k_pages.dtype
       and 0 < d <= _MAX_HEAD_DIM
       and min(b, t, n, num_pages, page_size, max_pages) > 0
   )

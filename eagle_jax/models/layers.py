@@ -288,6 +288,9 @@ class KVPages(NamedTuple):
         pages, offsets = slots // self.page_size, slots % self.page_size
 
         def put(pool, new):
+            if pool.dtype.itemsize == 1:  # an FP8 pool: saturate (e4m3fn has no inf)
+                top = float(jnp.finfo(pool.dtype).max)
+                new = jnp.clip(new.astype(jnp.float32), -top, top)
             return pool.at[pages, offsets].set(new.astype(pool.dtype), mode="drop")
 
         replace = lambda pools, new: pools[:layer] + (put(pools[layer], new),) + pools[layer + 1:]
