@@ -21,7 +21,11 @@ compiled, in a subprocess) and kernel-time breakdowns from ``jax.profiler`` trac
 64 (those of them in ``--batch-sizes``).
 
     python scripts/bench_engine.py [--batch-sizes 1,8,32,64,128] [--max-model-lens 512,32768]
-        [--long 32768] [--capacity-gib 8] [--hf] [--profile DIR] [--small] [--json PATH]
+        [--long 32768] [--capacity-gib 8] [--kv-cache-dtype fp8] [--hf] [--profile DIR]
+        [--small] [--json PATH]
+
+``--kv-cache-dtype fp8`` runs every engine over an FP8 cache (the bound and the roofline
+count its 1-byte values); the same command without it is the bfloat16 baseline.
 """
 
 from __future__ import annotations
@@ -151,7 +155,7 @@ def main(argv=None):
                     help="page-table widths to compare (cost must follow live tokens)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
-    EngineConfig.add_cli_args(ap, include=("num_steps", "page_size"))
+    EngineConfig.add_cli_args(ap, include=("num_steps", "page_size", "kv_cache_dtype"))
     ap.add_argument("--acceptance", type=float, default=0.83,
                     help="per-token synthetic acceptance (0.83 with 5 steps: length ~3.9)")
     ap.add_argument("--draft-vocab", type=int, default=32000)
@@ -184,14 +188,16 @@ def main(argv=None):
     target = random_target(shape, dtype)
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
     weights = weight_bytes(target)
-    roofline = SpecRoofline(ModelCost.of(target), ModelCost.of(draft), Device(bw, flops))
+    itemsize = jnp.dtype(dtype).itemsize
+    kv_itemsize = 1 if args.kv_cache_dtype == "fp8" else itemsize
+    roofline = SpecRoofline(ModelCost.of(target, kv_itemsize), ModelCost.of(draft, kv_itemsize),
+                            Device(bw, flops))
     a, S = args.acceptance, args.num_steps
     expected_len = expected_tokens(a, S)
     per_request = args.prompt_len + args.new_tokens + 2 * (S + 1)
 
-    itemsize = jnp.dtype(dtype).itemsize
-    kvb = kv_bytes_per_token(shape, itemsize)
-    draft_kvb = 2 * draft.config.num_kv_heads * draft.config.head_dim * itemsize
+    kvb = kv_bytes_per_token(shape, kv_itemsize)
+    draft_kvb = 2 * draft.config.num_kv_heads * draft.config.head_dim * kv_itemsize
     # With prefix caching the pool also keeps a page's share of the target feature
     # (engine/pool_sizing.py), 3 x H wide for EAGLE-3.
     draft_kvb += -(-3 * shape["hidden_size"] * itemsize // args.page_size)
@@ -203,7 +209,7 @@ def main(argv=None):
         common = dict(model="random", dtype="bfloat16", max_model_len=max_model_len,
                       max_num_seqs=max(buckets), batch_buckets=tuple(buckets),
                       prefill_buckets=(min(512, max_model_len),), page_size=args.page_size,
-                      compilation_cache_dir="")
+                      kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir="")
         plain = Engine(EngineConfig(speculative_algorithm="NONE", kv_cache_memory=kv_tokens * kvb,
                                     **common), target=target)
         spec = Engine(EngineConfig(speculative_algorithm="EAGLE3", draft_model="random",
@@ -263,6 +269,7 @@ def main(argv=None):
             model="random", speculative_algorithm="NONE", dtype="bfloat16",
             max_model_len=max(lens), max_num_seqs=128, batch_buckets=(128,),
             prefill_buckets=(args.prompt_len,), page_size=args.page_size,
+            kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_memory=int(args.capacity_gib * 2**30), compilation_cache_dir=""),
             target=target)
         tps, _, most, _ = decode_rate(eng, 128, args.prompt_len, args.new_tokens, seed=4)
@@ -290,7 +297,8 @@ def main(argv=None):
         if res.returncode:
             print(f"HF baseline failed:\n{res.stderr[-3000:]}", flush=True)
 
-    print(f"\nweights {weights / 1e9:.2f} GB, KV {kvb / 2**10:.0f} KiB per token, copy "
+    print(f"\nweights {weights / 1e9:.2f} GB, KV {kvb / 2**10:.0f} KiB per token "
+          f"({args.kv_cache_dtype} cache), copy "
           f"bandwidth {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.3g} TFLOP/s, expected "
           f"accept length {expected_len:.2f} (a = {a}, S = {S}), page size {args.page_size}; "
           "roofline: the speed-up at S and the best S's (bench/roofline.py)\n")
@@ -311,7 +319,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device, copy_gbps=bw / 1e9, matmul_tflops=flops / 1e12,
-                           weight_bytes=weights,
+                           weight_bytes=weights, kv_cache_dtype=args.kv_cache_dtype,
                            kv_bytes_per_token=kvb, rows=rows, **extra), f, indent=2)
 
 

@@ -74,9 +74,11 @@ class ModelCost:
     attention_flops_per_key: int  # per row and attended key: 4 x heads x head_dim x layers
 
     @classmethod
-    def of(cls, model) -> "ModelCost":
+    def of(cls, model, kv_itemsize: int | None = None) -> "ModelCost":
         """A target (``Decoder``) or a draft (``Eagle3Draft`` / ``Eagle1Draft``). A draft
-        that borrows the target's LM head reads it too: its bytes are counted here."""
+        that borrows the target's LM head reads it too: its bytes are counted here.
+        ``kv_itemsize``: the KV pool's bytes per value (1: an FP8 cache); default the
+        activations'."""
         cfg = model.config
         head = model.lm_head_weight
         head = head() if callable(head) else head  # (a draft's is a method)
@@ -86,7 +88,7 @@ class ModelCost:
         if not any(v.shape == head.shape for v in params):  # borrowed, not a parameter
             matmul += head.size
             nbytes += head.size * head.dtype.itemsize
-        itemsize = jnp.dtype(head.dtype).itemsize  # the activations' (and the pool's)
+        itemsize = kv_itemsize or jnp.dtype(head.dtype).itemsize  # the pool's
         return cls(
             weight_bytes=nbytes, body_params=matmul - head.size, head_params=head.size,
             kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize,
