@@ -46,6 +46,7 @@ from eagle_jax.bench.roofline import (
     Device, ModelCost, SpecRoofline, expected_tokens, kv_bytes_per_token, weight_bytes)
 from eagle_jax.bench.timing import (
     copy_bandwidth, device_ms_per_op, matmul_throughput, print_profile)
+from eagle_jax.kernels.paged_attention import KV_FP8
 from eagle_jax.testutil.random_models import LLAMA_8B, SMALL, random_eagle3, random_target
 
 
@@ -189,7 +190,7 @@ def main(argv=None):
     draft = random_eagle3(target, dtype, min(args.draft_vocab, shape["vocab_size"]))
     weights = weight_bytes(target)
     itemsize = jnp.dtype(dtype).itemsize
-    kv_itemsize = 1 if args.kv_cache_dtype == "fp8" else itemsize
+    kv_itemsize = KV_FP8.itemsize if args.kv_cache_dtype == "fp8" else itemsize
     roofline = SpecRoofline(ModelCost.of(target, kv_itemsize), ModelCost.of(draft, kv_itemsize),
                             Device(bw, flops))
     a, S = args.acceptance, args.num_steps

@@ -39,8 +39,8 @@ from eagle_jax.engine.state import (
     MAX_DRAFT_LAG, SLOT_FIELDS, DecodeState, PrefillChunks, PrefillOutput, SlotUpdates,
     StepOutput, slot_fields, token_logprobs, update_slots)
 from eagle_jax.fp8 import fp8_dtype
-from eagle_jax.kernels.paged_attention import KV_FP8
 from eagle_jax.fp8_checkpoint import on_the_fly_spec
+from eagle_jax.kernels.paged_attention import KV_FP8
 from eagle_jax.models.decoder import Decoder, load_decoder
 from eagle_jax.models.layers import quantize_linears
 from eagle_jax.sampling import SamplingRows

@@ -653,7 +653,8 @@ def paged_attention(
   # table would cost gigabytes per layer.
   supported = (
       _common.kernel_backend_ok(interpret)
-      and q.dtype in dtypes and k_pages.dtype in (q.dtype, KV_FP8) and v_pages.dtype == k_pages.dtype
+      and q.dtype in dtypes and k_pages.dtype in (q.dtype, KV_FP8)
+      and v_pages.dtype == k_pages.dtype
       and 0 < d <= _MAX_HEAD_DIM
       and min(b, t, n, num_pages, page_size, max_pages) > 0
   )
